@@ -1,0 +1,120 @@
+"""Command line: deepinfer generate | serve."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from deepinfer.config import EngineConfig
+from deepinfer.sampling_params import SamplingParams
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF directory, .gguf file or a named model; default: bundled SmolLM2-135M-Instruct")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=_bytes, default=None, help="KV cache budget, e.g. 2GiB or 512MiB; default: a fifth of free RAM up to 4 GiB")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--batch-invariant", action="store_true", default=None, help="same as DEEPINFER_BATCH_INVARIANT=1")
+    g.add_argument("--num-threads", type=int, default=None)
+
+
+def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
+    return EngineConfig.from_kwargs(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        batch_invariant=args.batch_invariant,
+        num_threads=args.num_threads,
+        **extra,
+    )
+
+
+def _bytes(text: str) -> int:
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    lower = text.strip().lower()
+    for unit, scale in units.items():
+        if lower.endswith(unit):
+            return int(float(lower[: -len(unit)]) * scale)
+    return int(float(lower))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from deepinfer.engine.engine import Engine
+
+    engine = Engine(engine_config_from_args(args))
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+        seq_seed=args.seed, stop=args.stop or None,
+    )
+    prompt = engine.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    engine.add_request("cli", prompt, params)
+    printed = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from deepinfer.server.serve import run_server
+
+    return run_server(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepinfer", description="LLM inference engine and OpenAI-compatible server")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate text for one prompt and stream it to stdout")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.set_defaults(func=cmd_generate)
+
+    try:
+        from deepinfer.server.serve import add_serve_args
+    except ImportError:
+        add_serve_args = None
+    if add_serve_args is not None:
+        serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+        add_engine_args(serve)
+        add_serve_args(serve)
+        serve.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The engine loop and its request/output bookkeeping."""

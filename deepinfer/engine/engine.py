@@ -1,0 +1,237 @@
+"""The one loop: add_request / abort_request / step. Not thread-safe: one thread owns an Engine."""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.config import EngineConfig
+from deepinfer.core.kv_manager import KVCacheManager
+from deepinfer.core.request import Request
+from deepinfer.core.scheduler import Scheduler
+from deepinfer.engine.io import RequestState, new_sequence, record_step_metrics
+from deepinfer.models.loader import iter_weights, load_model_files, load_tokenizer
+from deepinfer.outputs import RequestMetrics, RequestOutput
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.worker.model_builder import TORCH_DTYPES, build_model
+from deepinfer.worker.runner import ModelRunner, kv_bytes_per_block
+
+logger = logging.getLogger("deepinfer")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_blocks: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+def default_kv_cache_memory() -> int:
+    """A fifth of the available RAM, between 256 MiB and 4 GiB."""
+    available = 4 << 30
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return max(256 << 20, min(4 << 30, available // 5))
+
+
+def _mix_seed(seed: int, index: int) -> int:
+    # splitmix64 finalizer: distinct, reproducible seeds for the n samples of one seeded request
+    z = (seed + 0x9E3779B97F4A7C15 * (index + 1)) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        started = time.perf_counter()
+        files = load_model_files(config.model.model)
+        self.model_path = files.path
+        self.hf_config = files.hf_config
+        self.tokenizer = load_tokenizer(files)
+        self._backend_tokenizer = getattr(self.tokenizer, "backend_tokenizer", None) or self.tokenizer._tokenizer
+        mc, cc = config.model, config.cache
+        native_len = int(files.hf_config.get("max_position_embeddings") or 2048)
+        max_len = mc.max_model_len or native_len
+        model = build_model(files.hf_config, iter_weights(files, TORCH_DTYPES[mc.dtype]), mc.dtype, mc.device, max_len)
+        dtype = TORCH_DTYPES[mc.dtype]
+        per_block = kv_bytes_per_block(model.kv_cache_specs(), cc.block_size, dtype)
+        budget = cc.kv_cache_memory or default_kv_cache_memory()
+        num_blocks = budget // per_block
+        capacity = num_blocks * cc.block_size
+        if capacity < max_len:
+            if mc.max_model_len is not None or num_blocks < 2:
+                raise ValueError(
+                    f"KV cache of {budget} bytes holds {capacity} tokens, fewer than max_model_len={max_len}; "
+                    f"raise kv_cache_memory or lower max_model_len"
+                )
+            logger.warning("max_model_len lowered from %d to the KV capacity %d", max_len, capacity)
+            max_len = capacity
+        self.max_model_len = max_len
+        self.num_blocks = num_blocks
+        size = os.path.getsize(files.path) if os.path.isfile(files.path) else 0
+        model_key = f"{os.path.basename(os.path.normpath(files.path))}|{size}|{mc.dtype}"
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, model_key)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_len)
+        self.runner = ModelRunner(model, num_blocks, cc.block_size, dtype, mc.device)
+        self.vocab_size = int(files.hf_config["vocab_size"])
+        self.eos_token_ids = self._eos_ids()
+        self._states: dict[str, RequestState] = {}
+        self._children: dict[str, tuple[str, int]] = {}
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        logger.info(
+            "loaded %s (%s, %s) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token); max_model_len %d",
+            files.path, files.hf_config["architectures"][0], mc.dtype, time.perf_counter() - started,
+            num_blocks, cc.block_size, capacity, num_blocks * per_block / 2**20, per_block // cc.block_size, max_len,
+        )
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set()
+        raw = self.hf_config.get("eos_token_id")
+        ids.update(raw if isinstance(raw, list) else [raw] if raw is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(int(i) for i in ids)
+
+    # ---- requests -------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Validates and queues a request; raises ValueError naming what is wrong."""
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.tokenize(prompt)
+        self._validate(token_ids, params)
+        arrival = time.time() if arrival_time is None else arrival_time
+        state = RequestState(
+            request_id=request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=token_ids,
+            sequences=[new_sequence(params) for _ in range(params.n)],
+            metrics=RequestMetrics(arrival_time=arrival),
+        )
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
+        child_params = params.replace(n=1, max_tokens=max_tokens)
+        self._states[request_id] = state
+        self._prompt_tokens += len(token_ids) * params.n
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            if params.seq_seed is None:
+                seed = secrets.randbits(63)
+            else:
+                seed = params.seq_seed if i == 0 else _mix_seed(params.seq_seed, i)
+            self._children[child_id] = (request_id, i)
+            self.scheduler.add(Request(child_id, token_ids, child_params, seed, arrival, self.eos_token_ids))
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} "
+                f"(the prompt plus at least one generated token must fit)"
+            )
+        sc = self.config.scheduler
+        if not sc.enable_chunked_prefill and len(token_ids) > sc.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, more than max_num_batched_tokens={sc.max_num_batched_tokens} "
+                f"with chunked prefill off"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return
+        for i, seq in enumerate(state.sequences):
+            child_id = request_id if len(state.sequences) == 1 else f"{request_id}#{i}"
+            self._children.pop(child_id, None)
+            self.scheduler.finish(child_id, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        result = self.runner.execute(plan)
+        advanced = self.scheduler.update(plan, result)
+        now = time.time()
+        touched: dict[str, RequestState] = {}
+        for request in advanced:
+            parent_id, index = self._children[request.request_id]
+            state = self._states[parent_id]
+            seq = state.sequences[index]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+            if index == 0:
+                state.num_cached_tokens = request.num_cached_tokens
+                if request.request_id in result.prompt_logprobs:
+                    state.prompt_logprobs = (state.prompt_logprobs or [None]) + result.prompt_logprobs[request.request_id]
+            new_tokens = request.output_token_ids[seq.num_tokens :]
+            self._generation_tokens += len(new_tokens)
+            seq.logprobs.extend(result.logprobs.get(request.request_id, ())[: len(new_tokens)])
+            stop = seq.add_tokens(self._backend_tokenizer, new_tokens)
+            if stop is not None and not request.is_finished:
+                self.scheduler.finish(request.request_id, "stop", stop)
+            if request.is_finished:
+                seq.finish_reason, seq.stop_reason = request.finish_reason, request.stop_reason
+            record_step_metrics(state, request, now)
+            touched[parent_id] = state
+        outputs = []
+        for parent_id, state in touched.items():
+            if state.finished:
+                state.metrics.finished_time = now
+                del self._states[parent_id]
+                for i in range(len(state.sequences)):
+                    self._children.pop(parent_id if len(state.sequences) == 1 else f"{parent_id}#{i}", None)
+            outputs.append(state.to_output())
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=self.kv.usage(),
+            num_blocks=self.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+        )

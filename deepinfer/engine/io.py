@@ -1,0 +1,118 @@
+"""Token ids -> text for outputs: incremental detokenization, stop strings, logprobs, n > 1 fan-in."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenizers.decoders import DecodeStream
+
+from deepinfer.core.request import Request
+from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from deepinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class SequenceText:
+    """One generated sequence's text, built token by token."""
+
+    params: SamplingParams
+    stream: DecodeStream
+    text: str = ""
+    num_tokens: int = 0  # output tokens consumed so far
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add_tokens(self, tokenizer, tokens: list[int]) -> str | None:
+        """Consumes new tokens; returns the stop string if one appeared (text is cut before it)."""
+        for token in tokens:
+            self.num_tokens += 1
+            self.token_ids.append(token)
+            piece = self.stream.step(tokenizer, token)
+            if not piece:
+                continue
+            old_len = len(self.text)
+            self.text += piece
+            if self.params.stop and self.num_tokens > self.params.min_tokens:
+                stop = self._find_stop(old_len)
+                if stop is not None:
+                    return stop
+        return None
+
+    def _find_stop(self, old_len: int) -> str | None:
+        longest = max(len(s) for s in self.params.stop)
+        search_from = max(0, old_len - longest + 1)
+        best: tuple[int, str] | None = None
+        for stop in self.params.stop:
+            at = self.text.find(stop, search_from)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return None
+        at, stop = best
+        self.text = self.text[: at + len(stop)] if self.params.include_stop_str_in_output else self.text[:at]
+        return stop
+
+    def visible_text(self) -> str:
+        """While running, hold back a tail that could still grow into a stop string (never emit it)."""
+        if self.finish_reason is not None or not self.params.stop or self.params.include_stop_str_in_output:
+            return self.text
+        hold = max(len(s) for s in self.params.stop) - 1
+        return self.text[: len(self.text) - hold] if hold else self.text
+
+
+@dataclass
+class RequestState:
+    """The caller-facing request: prompt and n sequences (children in the scheduler)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[SequenceText]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+    def to_output(self) -> RequestOutput:
+        finished = self.finished
+        outputs = [
+            CompletionOutput(
+                index=i,
+                text=s.visible_text(),
+                token_ids=list(s.token_ids),
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
+            )
+            for i, s in enumerate(self.sequences)
+        ]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
+        )
+
+
+def new_sequence(params: SamplingParams) -> SequenceText:
+    return SequenceText(params=params, stream=DecodeStream(skip_special_tokens=params.skip_special_tokens))
+
+
+def record_step_metrics(state: RequestState, request: Request, now: float) -> None:
+    if request.output_token_ids and state.metrics.first_token_time is None:
+        state.metrics.first_token_time = now
+    if request.output_token_ids:
+        state.metrics.last_token_time = now
+
+
+def now() -> float:
+    return time.time()

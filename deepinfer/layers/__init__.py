@@ -1,0 +1,1 @@
+"""Plain PyTorch building blocks shared by the model files."""

@@ -1,0 +1,93 @@
+"""Paged attention: write this step's K/V into cache slots, then attend through block tables."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.layers.context import get_forward_context
+
+
+class Attention(nn.Module):
+    """softmax(q k^T * scale [+ mask]) v over a sequence's cached and new tokens.
+
+    `sliding_window` W means a query at position p sees keys at positions (p - W, p].
+    Layers are numbered by `cache_index` into the step's list of KV caches.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        cache_index: int,
+        sliding_window: int | None = None,
+        v_head_dim: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        self.scale = scale
+        self.cache_index = cache_index
+        self.sliding_window = sliding_window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv] -> [T, H * Dv]."""
+        ctx = get_forward_context()
+        md = ctx.attn
+        k_cache, v_cache = ctx.kv_caches[self.cache_index]
+        k_cache.index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
+        out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
+        nd = md.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, md.decode_block_tables, md.decode_context_lens, md.block_size)
+        for seq in md.prefills:
+            rows = slice(seq.start, seq.start + seq.num_tokens)
+            if seq.context_len == seq.num_tokens:  # nothing cached: attend over the fresh K/V directly
+                keys, values = k[rows], v[rows]
+            else:
+                slots = _slots(seq.block_table, seq.context_len, md.block_size)
+                keys, values = k_cache[slots], v_cache[slots]
+            out[rows] = self._prefill(q[rows], keys, values, seq.context_len)
+        return out.reshape(q.shape[0], -1)
+
+    def _decode(self, q, k_cache, v_cache, block_tables, context_lens, block_size):
+        n, max_blocks = block_tables.shape
+        length = max_blocks * block_size
+        shape = (-1, block_size) + tuple(k_cache.shape[1:])
+        keys = k_cache.view(shape)[block_tables].reshape(n, length, self.num_kv_heads, -1)
+        values = v_cache.view((-1, block_size) + tuple(v_cache.shape[1:]))[block_tables].reshape(n, length, self.num_kv_heads, -1)
+        pos = torch.arange(length)
+        visible = pos[None, :] < context_lens[:, None]
+        if self.sliding_window is not None:
+            visible &= pos[None, :] > (context_lens[:, None] - 1 - self.sliding_window)
+        mask = visible[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2).to(keys.dtype), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        return out.squeeze(2)
+
+    def _prefill(self, q, keys, values, context_len):
+        t = q.shape[0]
+        q_pos = torch.arange(context_len - t, context_len)[:, None]
+        k_pos = torch.arange(context_len)[None, :]
+        visible = k_pos <= q_pos
+        if self.sliding_window is not None:
+            visible &= k_pos > q_pos - self.sliding_window
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0).to(keys.dtype),
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=visible, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        return out.squeeze(0).transpose(0, 1)
+
+
+def _slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    pos = torch.arange(length)
+    return block_table[pos // block_size] * block_size + pos % block_size

@@ -1,0 +1,57 @@
+"""The per-step attention metadata, scoped with `with forward_context(ctx):` around one forward pass."""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence computing several tokens: its rows of the step's token batch."""
+
+    start: int  # first row in the token batch
+    num_tokens: int
+    context_len: int  # tokens in its KV after this step (cached prefix + earlier chunks + these)
+    block_table: torch.Tensor  # int64 [num_blocks]
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [T]: flat cache slot (block_id * block_size + offset) per token
+    num_decodes: int  # rows 0..num_decodes-1 are one token each
+    decode_block_tables: torch.Tensor | None  # int64 [num_decodes, max_blocks], padded
+    decode_context_lens: torch.Tensor | None  # int64 [num_decodes]
+    prefills: list[PrefillSeq] = field(default_factory=list)
+    block_size: int = 16
+
+
+@dataclass
+class ForwardContext:
+    attn: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per attention layer: K and V, [num_slots, kv_heads, head_dim]
+    positions: torch.Tensor  # int64 [T]
+
+
+_CURRENT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("deepinfer_forward_context", default=None)
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    if _CURRENT.get() is not None:
+        raise RuntimeError("forward contexts do not nest")
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
+
+
+def get_forward_context() -> ForwardContext:
+    ctx = _CURRENT.get()
+    if ctx is None:
+        raise RuntimeError("no forward context: call the model inside `with forward_context(...)`")
+    return ctx

@@ -1,0 +1,106 @@
+"""Offline API in vLLM's shape: LLM(model=...).generate(prompts, params) -> list[RequestOutput]."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.engine import Engine
+from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """LLM() loads the bundled default model (SmolLM2-135M-Instruct); keyword arguments are engine options
+    (dtype, max_model_len, block_size, kv_cache_memory, enable_prefix_caching, max_num_batched_tokens,
+    max_num_seqs, enable_chunked_prefill, batch_invariant, num_threads, ...)."""
+
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.engine = Engine(EngineConfig.from_kwargs(model=model, **engine_options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs come back in input order. A request with bad input fails alone: its output has
+        `error` set and finish_reason "error"; the others complete."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        ids: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        for prompt, p in zip(prompts, params):
+            request_id = str(next(self._ids))
+            ids.append(request_id)
+            try:
+                self.engine.add_request(request_id, prompt, p)
+            except ValueError as e:
+                results[request_id] = _error_output(request_id, prompt, p, str(e))
+        return self._run(ids, results, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template (with the generation prompt) to each conversation."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([self.engine.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], results: dict[str, RequestOutput], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids) - set(results)
+        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 2)
+        bar.update(len(results))
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for request_id in pending:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]
+
+    @staticmethod
+    def _params_list(params, count: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        params = list(params)
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+        return params
+
+
+def _error_output(request_id: str, prompt: Prompt, params: SamplingParams, message: str) -> RequestOutput:
+    import time
+
+    outputs = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error") for i in range(getattr(params, "n", 1))]
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=list(prompt) if isinstance(prompt, list) else [],
+        outputs=outputs,
+        finished=True,
+        metrics=RequestMetrics(arrival_time=time.time()),
+        error=message,
+    )

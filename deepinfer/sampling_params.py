@@ -1,0 +1,132 @@
+"""Per-request sampling parameters, validated once at construction."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEMA_TYPES = ("regex", "json", "ebnf")
+TTL_CLASSES = ("agent", "chatbot")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    temperature 0 means greedy. ``seq_seed`` (alias ``seed``) keys a
+    counter-based generator by (seed, output position, draw index), so a seeded
+    request draws the same numbers whatever else is in the batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seq_seed: int | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    so_args: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    kv_ttl_class: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.seq_seed is not None and self.seed is not None and self.seq_seed != self.seed:
+            raise ValueError(f"seq_seed={self.seq_seed} and seed={self.seed} disagree; give one of them")
+        if self.seq_seed is None and self.seed is not None:
+            object.__setattr__(self, "seq_seed", self.seed)
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", [self.stop])
+        elif self.stop is None:
+            object.__setattr__(self, "stop", [])
+        if self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, expected: str) -> ValueError:
+            return ValueError(f"{name} must be {expected}, got {getattr(self, name)!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", "an integer >= 1")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "a number >= 0")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise bad("top_k", "an integer >= 0 (0 or -1 disables it)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "in (0, 1]")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise bad(name, "in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "a number > 0")
+        if self.seq_seed is not None and not _is_int(self.seq_seed):
+            raise bad("seq_seed", "an integer")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "a non-empty string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of non-negative integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= 20):
+                raise bad(name, "an integer in [0, 20] or None")
+        if self.so_args is not None:
+            _validate_so_args(self.so_args)
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise bad("cache_salt", "a string")
+        if self.kv_ttl_class is not None and self.kv_ttl_class not in TTL_CLASSES:
+            raise bad("kv_ttl_class", f"one of {TTL_CLASSES}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+
+def _validate_so_args(so_args: Any) -> None:
+    if not isinstance(so_args, dict):
+        raise ValueError(f"so_args must be a dict with 'schema_type' and 'schema', got {so_args!r}")
+    unknown = set(so_args) - {"schema_type", "schema"}
+    if unknown:
+        raise ValueError(f"so_args has unknown keys {sorted(unknown)}; expected 'schema_type' and 'schema'")
+    kind = so_args.get("schema_type")
+    if kind not in SCHEMA_TYPES:
+        raise ValueError(f"so_args['schema_type'] must be one of {SCHEMA_TYPES}, got {kind!r}")
+    schema = so_args.get("schema")
+    if kind == "json":
+        if schema is not None and not isinstance(schema, (str, dict)):
+            raise ValueError(f"so_args['schema'] for json must be a dict, a JSON string or None, got {type(schema).__name__}")
+    elif not isinstance(schema, str) or not schema:
+        raise ValueError(f"so_args['schema'] for {kind} must be a non-empty string, got {schema!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value

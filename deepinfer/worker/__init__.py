@@ -1,0 +1,1 @@
+"""Turns step plans into tensors, runs the model and samples."""
