@@ -47,3 +47,4 @@ class StepResult:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    expert_counts: list[list[int]] | None = None  # per MoE layer, per expert: tokens routed this step (EPLB input)

@@ -1,6 +1,7 @@
 """Token ids -> text for outputs: incremental detokenization, stop strings, logprobs, n > 1 fan-in."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -97,7 +98,7 @@ class RequestState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=outputs,
             finished=finished,
-            metrics=self.metrics,
+            metrics=dataclasses.replace(self.metrics),  # a snapshot: the live one keeps changing
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
         )

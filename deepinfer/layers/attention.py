@@ -50,7 +50,7 @@ class Attention(nn.Module):
             if seq.context_len == seq.num_tokens:  # nothing cached: attend over the fresh K/V directly
                 keys, values = k[rows], v[rows]
             else:
-                slots = _slots(seq.block_table, seq.context_len, md.block_size)
+                slots = context_slots(seq.block_table, seq.context_len, md.block_size)
                 keys, values = k_cache[slots], v_cache[slots]
             out[rows] = self._prefill(q[rows], keys, values, seq.context_len)
         return out.reshape(q.shape[0], -1)
@@ -88,6 +88,7 @@ class Attention(nn.Module):
         return out.squeeze(0).transpose(0, 1)
 
 
-def _slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of positions 0..length-1 of a sequence."""
     pos = torch.arange(length)
     return block_table[pos // block_size] * block_size + pos % block_size

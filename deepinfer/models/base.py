@@ -27,6 +27,8 @@ class CausalLM(nn.Module):
     stacked: dict[str, tuple[str, int]] = {}
     # checkpoint tensors that are fine to drop (e.g. precomputed rotary buffers)
     ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    # parameters kept in float32 whatever the compute dtype (routers, correction biases), as the reference does
+    fp32_param_suffixes: tuple[str, ...] = ()
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         raise NotImplementedError

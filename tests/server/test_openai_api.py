@@ -1,0 +1,140 @@
+"""The OpenAI routes, driven by the official `openai` client against a real server process."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import API_KEY, MODEL
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
+
+
+def test_completion_text_usage_and_finish_reason(client, http):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
+    (choice,) = out.choices
+    assert out.object == "text_completion" and out.model == MODEL and out.id.startswith("cmpl-")
+    assert choice.text and choice.finish_reason == "length"
+    prompt_ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    assert out.usage.prompt_tokens == len(prompt_ids)
+    assert out.usage.completion_tokens == 5
+    assert out.usage.total_tokens == len(prompt_ids) + 5
+    assert out.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_streamed_completion_matches_the_whole_one(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_whole_and_streamed(client):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=5, temperature=0)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content and whole.usage.completion_tokens == 5
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_choices_and_prompt_lists(client):
+    out = client.completions.create(model=MODEL, prompt=[PROMPT, "Once upon a time"], n=2, max_tokens=3, seed=1)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    assert out.usage.completion_tokens == 4 * 3
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                          max_tokens=3, stream=True)
+    finished = {c.choices[0].index for c in chat if c.choices and c.choices[0].finish_reason}
+    assert finished == {0, 1}
+
+
+def test_stop_string_cuts_the_text(client):
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+    word = text.split()[1]  # a word after the first, so there is text before it
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stop=[word])
+    assert out.choices[0].text == text[: text.find(word)]
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_completion_logprobs_and_echo(client):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    choice = out.choices[0]
+    assert choice.text.startswith(PROMPT)
+    lp = choice.logprobs
+    generated = len(lp.tokens) - out.usage.prompt_tokens
+    assert generated == 3 and lp.token_logprobs[0] is None  # the first prompt token has no logprob
+    for token, logprob, top in list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))[-3:]:
+        assert logprob == pytest.approx(max(top.values()))  # greedy picks the most likely token
+        assert len(top) >= 2
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_chat_logprobs(client):
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                         temperature=0, logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 3
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+
+
+def test_seed_reproduces_and_top_k_is_honoured(client):
+    def sample(**kw):
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=1.0, **kw).choices[0].text
+
+    assert sample(seed=1234) == sample(seed=1234)
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+    assert sample(extra_body={"top_k": 1}) == greedy
+
+
+def test_models_health_tokenize(client, http, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert http.get("/health").status_code == 200
+    ids = http.post("/tokenize", json={"prompt": PROMPT}).json()
+    assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] == 1024
+    assert PROMPT in http.post("/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
+    chat_ids = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat_ids["count"] > 2
+
+
+def test_metrics_are_prometheus_text_with_vllm_names(client, server):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    samples = server.metrics()
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count"):
+        assert name in samples, name
+    assert samples["vllm:generation_tokens_total"] >= 2 and samples["vllm:e2e_request_latency_seconds_count"] >= 1
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+    reasons = {s.labels["finished_reason"] for s in families["vllm:request_success"].samples}
+    assert "length" in reasons
+
+
+def test_sixteen_concurrent_streams_all_finish(server):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
+        stream = await client.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=4, stream=True)
+        text, reason = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    async def main() -> list[tuple[str, str | None]]:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(16)))
+
+    results = asyncio.run(main())
+    assert len(results) == 16 and all(reason == "length" for _, reason in results)
