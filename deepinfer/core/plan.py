@@ -1,7 +1,10 @@
 """What crosses between the scheduler (core) and the worker: a diff per step, and the step's result."""
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 from deepinfer.sampling_params import SamplingParams
 
@@ -29,6 +32,15 @@ class CachedRequestData:
     num_computed_tokens: int
 
 
+@dataclass(frozen=True)
+class KVBlockRef:
+    """One block moving between the device KV cache and the external KV store."""
+
+    key: bytes  # the prefix cache's chained block key, also the store key
+    block_id: int
+    ttl_class: str | None = None  # saves only: the request's kv_ttl_class (None: the store's default)
+
+
 @dataclass
 class StepPlan:
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -36,10 +48,28 @@ class StepPlan:
     num_tokens: dict[str, int] = field(default_factory=dict)  # tokens each request computes this step
     finished_ids: list[str] = field(default_factory=list)  # the worker drops their state
     preempted_ids: list[str] = field(default_factory=list)
+    # structured output: allowed-token masks (bool [V]) for constrained requests that sample this step,
+    # and tokens the engine appended without a model step (grammar jump-forward) that the worker must learn
+    grammar_masks: dict[str, Any] = field(default_factory=dict)
+    appended_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # KV store work, in block-chain order. Loads fill blocks before the forward; their tokens already
+    # count in num_computed_tokens. Saves copy blocks this step's forward fills, after it.
+    kv_loads: dict[str, list[KVBlockRef]] = field(default_factory=dict)
+    kv_saves: dict[str, list[KVBlockRef]] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
         return sum(self.num_tokens.values())
+
+    def without(self, request_ids: Collection[str]) -> StepPlan:
+        """This plan minus the work of `request_ids` this step (the worker's state for them is kept)."""
+        drop = set(request_ids)
+        return dataclasses.replace(
+            self,
+            num_tokens={r: n for r, n in self.num_tokens.items() if r not in drop},
+            kv_loads={r: v for r, v in self.kv_loads.items() if r not in drop},
+            kv_saves={r: v for r, v in self.kv_saves.items() if r not in drop},
+        )
 
 
 @dataclass
@@ -48,3 +78,6 @@ class StepResult:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     expert_counts: list[list[int]] | None = None  # per MoE layer, per expert: tokens routed this step (EPLB input)
+    # request id -> how many of its kv_loads (leading, in order) arrived intact. A request listed here
+    # was left out of this step's forward; the scheduler recomputes from its first failed block.
+    kv_load_failures: dict[str, int] = field(default_factory=dict)

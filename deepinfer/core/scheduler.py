@@ -2,21 +2,31 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from deepinfer.config import SchedulerConfig
 from deepinfer.core.kv_manager import KVCacheManager
-from deepinfer.core.plan import CachedRequestData, NewRequestData, StepPlan, StepResult
+from deepinfer.core.plan import CachedRequestData, KVBlockRef, NewRequestData, StepPlan, StepResult
 from deepinfer.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from deepinfer.kvstore.connector import KVStoreConnector
 
 
 class Scheduler:
     """No prefill or decode modes: a prompt chunk, a prefix-cache remainder and a decode token are all
     token counts under one budget. Running requests go first (oldest first); when blocks run out the
-    newest running request is preempted and recomputed later, so the oldest always makes progress."""
+    newest running request is preempted and recomputed later, so the oldest always makes progress.
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    With a KV store (`connector`), a request being admitted also takes the blocks the store holds beyond
+    the device cache: they are loaded by the worker before the forward and count as computed. Blocks a
+    step fills are saved to the store by the worker after the forward."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 connector: KVStoreConnector | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.connector = connector
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -68,6 +78,7 @@ class Scheduler:
                     CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
                 )
                 plan.num_tokens[request.request_id] = n
+                self._plan_saves(plan, request, n)
                 budget -= n
                 i += 1
         if not plan.preempted_ids:
@@ -77,17 +88,27 @@ class Scheduler:
     def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            cached, num_cached = [], 0
+            cached: list[int] = []
+            load_keys: list[bytes] = []
             if request.params.prompt_logprobs is None:  # prompt logprobs need every position computed
-                cached, num_cached = self.kv.find_cached_prefix(request)
+                cached, _ = self.kv.find_cached_prefix(request)
+                load_keys = self._loadable_keys(request, len(cached))
+            num_loaded = len(load_keys) * self.kv.block_size
+            num_cached = len(cached) * self.kv.block_size + num_loaded
             n = request.num_tokens - num_cached
             if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if not self.kv.can_allocate(request, n, cached):
+            if not self.kv.can_allocate(request, num_loaded + n, cached):
                 break
-            block_ids = self.kv.allocate(request, n, cached)
+            block_ids = self.kv.allocate(request, num_loaded + n, cached)
             self.waiting.popleft()
+            self.kv.count_lookup(request.num_tokens, len(cached) * self.kv.block_size)
+            if self.connector is not None:
+                self.connector.count_admitted(request.num_tokens, len(load_keys))
+            if load_keys:  # allocate() put the store's blocks right after the device-cached ones
+                targets = block_ids[len(cached) : len(cached) + len(load_keys)]
+                plan.kv_loads[request.request_id] = [KVBlockRef(k, b) for k, b in zip(load_keys, targets)]
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
@@ -106,8 +127,25 @@ class Scheduler:
                 )
             )
             plan.num_tokens[request.request_id] = n
+            self._plan_saves(plan, request, n)
             budget -= n
         return budget
+
+    def _loadable_keys(self, request: Request, num_device_blocks: int) -> list[bytes]:
+        """Keys of the blocks after the device-cached ones that the store can fill, in chain order."""
+        if self.connector is None:
+            return []
+        self.kv.update_keys(request)
+        wanted = request.block_hashes[num_device_blocks : self.kv.max_reusable_blocks(request)]
+        return wanted[: self.connector.num_loadable(wanted)] if wanted else []
+
+    def _plan_saves(self, plan: StepPlan, request: Request, num_new_tokens: int) -> None:
+        if self.connector is None:
+            return
+        filled = self.kv.blocks_filled_by(request, num_new_tokens)
+        if filled:
+            ttl_class = request.params.kv_ttl_class
+            plan.kv_saves[request.request_id] = [KVBlockRef(k, b, ttl_class) for k, b in filled]
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -119,11 +157,14 @@ class Scheduler:
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Applies a step's result; returns the requests that advanced (finished ones included)."""
+        self._roll_back_failed_loads(plan, result)
         advanced = []
         for request_id, n in plan.num_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
+            if request_id in result.kv_load_failures:
+                continue  # left out of the forward; the rest is computed from the next step on
             request.num_computed_tokens += n
             self.kv.cache_computed(request)  # before a stop frees the blocks
             for token in result.sampled.get(request_id, ()):
@@ -134,6 +175,35 @@ class Scheduler:
                     break
             advanced.append(request)
         return advanced
+
+    def _roll_back_failed_loads(self, plan: StepPlan, result: StepResult) -> None:
+        """A block the store promised but did not deliver, and every block after it, is recomputed."""
+        for request_id, num_ok in result.kv_load_failures.items():
+            num_lost_blocks = len(plan.kv_loads.get(request_id, ())) - num_ok
+            if self.connector is not None:
+                self.connector.count_failed(num_lost_blocks)
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            lost = num_lost_blocks * self.kv.block_size
+            request.num_computed_tokens -= lost
+            if request.num_preemptions == 0:
+                request.num_cached_tokens -= lost
+
+    def append_tokens(self, request_id: str, tokens: list[int]) -> int:
+        """Appends tokens decided without a model step (grammar jump-forward); they are computed in a
+        later step like a prompt chunk. Applies the stop conditions; returns how many were appended."""
+        request = self.requests.get(request_id)
+        appended = 0
+        for token in tokens:
+            if request is None or request.is_finished:
+                break
+            request.output_token_ids.append(token)
+            appended += 1
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.finish(request_id, *reason)
+        return appended
 
     def _stop_reason(self, request: Request, token: int) -> tuple[str, int | None] | None:
         params = request.params

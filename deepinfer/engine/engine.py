@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +14,9 @@ from deepinfer.core.kv_manager import KVCacheManager
 from deepinfer.core.request import Request
 from deepinfer.core.scheduler import Scheduler
 from deepinfer.engine.io import RequestState, new_sequence, record_step_metrics
+from deepinfer.kvstore.block_transfer import KVBlockTransfer
+from deepinfer.kvstore.connector import KVStoreConnector, KVStoreConnectorStats, model_identity
+from deepinfer.engine.structured import StructuredOutputs
 from deepinfer.models.loader import iter_weights, load_model_files, load_tokenizer
 from deepinfer.outputs import RequestMetrics, RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -34,6 +37,7 @@ class EngineStats:
     generation_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    kv_store: KVStoreConnectorStats | None = None  # None: no KV store configured
 
 
 def default_kv_cache_memory() -> int:
@@ -71,7 +75,8 @@ class Engine:
         mc, cc = config.model, config.cache
         native_len = int(files.hf_config.get("max_position_embeddings") or 2048)
         max_len = mc.max_model_len or native_len
-        model = build_model(files.hf_config, iter_weights(files, TORCH_DTYPES[mc.dtype]), mc.dtype, mc.device, max_len)
+        model = build_model(files.hf_config, iter_weights(files, TORCH_DTYPES[mc.dtype]), mc.dtype, mc.device, max_len,
+                            batch_invariant=config.batch_invariant)
         dtype = TORCH_DTYPES[mc.dtype]
         per_block = kv_bytes_per_block(model.kv_cache_specs(), cc.block_size, dtype)
         budget = cc.kv_cache_memory or default_kv_cache_memory()
@@ -87,13 +92,21 @@ class Engine:
             max_len = capacity
         self.max_model_len = max_len
         self.num_blocks = num_blocks
-        size = os.path.getsize(files.path) if os.path.isfile(files.path) else 0
-        model_key = f"{os.path.basename(os.path.normpath(files.path))}|{size}|{mc.dtype}"
+        model_key = model_identity(files.path, files.hf_config, mc.dtype, config.batch_invariant)
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, model_key)
-        self.scheduler = Scheduler(config.scheduler, self.kv, max_len)
-        self.runner = ModelRunner(model, num_blocks, cc.block_size, dtype, mc.device)
+        # ---- KV store (issue 5): the scheduler half asks it, the worker half loads and saves blocks
+        self.kv_store = KVStoreConnector.open(config.kv_store, cc.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_len, self.kv_store)
+        self.runner = ModelRunner(model, num_blocks, cc.block_size, dtype, mc.device, config.batch_invariant)
+        if self.kv_store is not None:
+            self.runner.kv_transfer = KVBlockTransfer(self.kv_store.store, self.kv_store.saver, self.runner.kv_caches,
+                                                      num_blocks, cc.block_size)
+            self._close_kv_store = weakref.finalize(self, self.kv_store.close)  # queued saves land even at exit
+        # ---- end KV store
         self.vocab_size = int(files.hf_config["vocab_size"])
         self.eos_token_ids = self._eos_ids()
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        self._appended: dict[str, list[int]] = {}  # jump-forward tokens the worker has not seen yet
         self._states: dict[str, RequestState] = {}
         self._children: dict[str, tuple[str, int]] = {}
         self._prompt_tokens = 0
@@ -133,6 +146,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
         self._validate(token_ids, params)
+        grammar = self.structured.compile(params.so_args) if params.so_args is not None else None
         arrival = time.time() if arrival_time is None else arrival_time
         state = RequestState(
             request_id=request_id,
@@ -152,6 +166,8 @@ class Engine:
             else:
                 seed = params.seq_seed if i == 0 else _mix_seed(params.seq_seed, i)
             self._children[child_id] = (request_id, i)
+            if grammar is not None:
+                self.structured.add(child_id, grammar)
             self.scheduler.add(Request(child_id, token_ids, child_params, seed, arrival, self.eos_token_ids))
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -181,6 +197,8 @@ class Engine:
         for i, seq in enumerate(state.sequences):
             child_id = request_id if len(state.sequences) == 1 else f"{request_id}#{i}"
             self._children.pop(child_id, None)
+            self.structured.remove(child_id)
+            self._appended.pop(child_id, None)
             self.scheduler.finish(child_id, "abort")
 
     def has_unfinished_requests(self) -> bool:
@@ -189,8 +207,13 @@ class Engine:
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        if self.structured:
+            plan.grammar_masks = self.structured.masks(plan, self.scheduler)
+        plan.appended_token_ids, self._appended = self._appended, {}
         result = self.runner.execute(plan)
         advanced = self.scheduler.update(plan, result)
+        if self.structured:
+            self._advance_grammars(advanced, result)
         now = time.time()
         touched: dict[str, RequestState] = {}
         for request in advanced:
@@ -219,9 +242,34 @@ class Engine:
                 state.metrics.finished_time = now
                 del self._states[parent_id]
                 for i in range(len(state.sequences)):
-                    self._children.pop(parent_id if len(state.sequences) == 1 else f"{parent_id}#{i}", None)
+                    child_id = parent_id if len(state.sequences) == 1 else f"{parent_id}#{i}"
+                    self._children.pop(child_id, None)
+                    self.structured.remove(child_id)
             outputs.append(state.to_output())
         return outputs
+
+    def _advance_grammars(self, advanced, result) -> None:
+        """Feeds sampled tokens to each grammar; a finished grammar ends its request with "stop";
+        tokens the grammar forces are appended without a model step (jump-forward)."""
+        for request in advanced:
+            rid = request.request_id
+            sampled = result.sampled.get(rid, [])
+            if request.is_finished or not sampled:
+                continue
+            terminated, forced = self.structured.accept(rid, sampled)
+            if forced:
+                appended = self.scheduler.append_tokens(rid, forced)
+                self.structured.rollback(rid, len(forced) - appended)
+                self.structured.jump_forward_tokens += appended
+                if not request.is_finished:
+                    self._appended[rid] = forced[:appended]
+            if terminated and not request.is_finished:
+                self.scheduler.finish(rid, "stop")
+
+    def close(self) -> None:
+        """Lets queued KV store saves finish (a few seconds at most) and closes the store; also runs at exit."""
+        if self.kv_store is not None:
+            self._close_kv_store()
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -234,4 +282,5 @@ class Engine:
             generation_tokens=self._generation_tokens,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
+            kv_store=None if self.kv_store is None else self.kv_store.stats(),
         )

@@ -41,6 +41,10 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv_caches[self.cache_index]
         k_cache.index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
+        if ctx.batch_invariant:
+            from deepinfer.ops.batch_invariant import paged_attention
+
+            return paged_attention(self, q, k_cache, v_cache, md).reshape(q.shape[0], -1)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
         nd = md.num_decodes
         if nd:
@@ -58,9 +62,8 @@ class Attention(nn.Module):
     def _decode(self, q, k_cache, v_cache, block_tables, context_lens, block_size):
         n, max_blocks = block_tables.shape
         length = max_blocks * block_size
-        shape = (-1, block_size) + tuple(k_cache.shape[1:])
-        keys = k_cache.view(shape)[block_tables].reshape(n, length, self.num_kv_heads, -1)
-        values = v_cache.view((-1, block_size) + tuple(v_cache.shape[1:]))[block_tables].reshape(n, length, self.num_kv_heads, -1)
+        keys = _gather_blocks(k_cache, block_tables, block_size).view(n, length, self.num_kv_heads, -1)
+        values = _gather_blocks(v_cache, block_tables, block_size).view(n, length, self.num_kv_heads, -1)
         pos = torch.arange(length)
         visible = pos[None, :] < context_lens[:, None]
         if self.sliding_window is not None:
@@ -92,3 +95,10 @@ def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> to
     """Flat cache slots of positions 0..length-1 of a sequence."""
     pos = torch.arange(length)
     return block_table[pos // block_size] * block_size + pos % block_size
+
+
+def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Whole blocks copied with index_select on a [num_blocks, block_size * row] view (memcpy-sized rows;
+    several times faster on a CPU than advanced indexing of a 4-d view)."""
+    rows = cache.view(cache.shape[0] // block_size, -1)
+    return rows.index_select(0, block_tables.flatten())

@@ -34,6 +34,7 @@ class ForwardContext:
     attn: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per attention layer: K and V, [num_slots, kv_heads, head_dim]
     positions: torch.Tensor  # int64 [T]
+    batch_invariant: bool = False  # attention must use a reduction order fixed by the request's own data
 
 
 _CURRENT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("deepinfer_forward_context", default=None)

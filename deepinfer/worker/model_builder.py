@@ -33,7 +33,8 @@ def architecture_of(hf_config: dict) -> str:
     return archs[0]
 
 
-def build_model(hf_config: dict, weights, dtype: str, device: str, max_positions: int) -> torch.nn.Module:
+def build_model(hf_config: dict, weights, dtype: str, device: str, max_positions: int,
+                batch_invariant: bool = False) -> torch.nn.Module:
     klass = model_class(architecture_of(hf_config))
     config = hf_config_object(hf_config)
     torch_dtype = TORCH_DTYPES[dtype]
@@ -44,4 +45,8 @@ def build_model(hf_config: dict, weights, dtype: str, device: str, max_positions
     for name, param in model.named_parameters():  # buffers (RoPE tables) stay float32
         if not (keep and name.endswith(keep)):
             param.data = param.data.to(torch_dtype)
+    if batch_invariant:  # a transform after build: model files stay unchanged
+        from deepinfer.ops.batch_invariant import make_batch_invariant
+
+        make_batch_invariant(model)
     return model.eval()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -12,6 +13,9 @@ from deepinfer.models.base import KVCacheSpec
 from deepinfer.sample.logprobs import compute_prompt_logprobs
 from deepinfer.sample.sampler import Sampler, SamplingRow
 from deepinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepinfer.kvstore.block_transfer import KVBlockTransfer
 
 
 @dataclass
@@ -32,8 +36,10 @@ def kv_bytes_per_block(specs: list[KVCacheSpec], block_size: int, dtype: torch.d
 class ModelRunner:
     """Keeps each running request's tokens and block table (updated by plan diffs) and the KV caches."""
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: str) -> None:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
+                 batch_invariant: bool = False) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant
         self.block_size = block_size
         self.device = torch.device(device)
         self.kv_caches = [
@@ -44,6 +50,7 @@ class ModelRunner:
             for s in model.kv_cache_specs()
         ]
         self.sampler = Sampler()
+        self.kv_transfer: KVBlockTransfer | None = None  # set by the engine when a KV store is configured
         self._requests: dict[str, _RequestState] = {}
 
     def _apply_diff(self, plan: StepPlan) -> None:
@@ -57,11 +64,19 @@ class ModelRunner:
             )
         for cached in plan.cached_requests:
             self._requests[cached.request_id].block_ids.extend(cached.new_block_ids)
+        fresh = {new.request_id for new in plan.new_requests}
+        for request_id, tokens in plan.appended_token_ids.items():
+            if request_id in self._requests and request_id not in fresh:
+                self._requests[request_id].token_ids.extend(tokens)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         self._apply_diff(plan)
         result = StepResult()
+        if self.kv_transfer is not None and plan.kv_loads:  # KV store: fill loaded blocks before the forward
+            result.kv_load_failures = self.kv_transfer.load(plan)
+            if result.kv_load_failures:  # a broken chain is recomputed from the next step on
+                plan = plan.without(result.kv_load_failures)
         if not plan.num_tokens:
             return result
         computed = {r.request_id: r.num_computed_tokens for r in plan.new_requests}
@@ -117,7 +132,7 @@ class ModelRunner:
             prefills=prefills,
             block_size=bs,
         )
-        ctx = ForwardContext(attn=md, kv_caches=self.kv_caches, positions=positions_t)
+        ctx = ForwardContext(attn=md, kv_caches=self.kv_caches, positions=positions_t, batch_invariant=self.batch_invariant)
         with forward_context(ctx):
             hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=self.device), positions_t)
         pop_counts = getattr(self.model, "pop_expert_counts", None)
@@ -144,6 +159,7 @@ class ModelRunner:
                         prompt_token_ids=s.token_ids[: s.num_prompt_tokens],
                         output_token_ids=s.token_ids[s.num_prompt_tokens :],
                         eos_token_ids=s.eos_token_ids,
+                        allowed_token_mask=plan.grammar_masks.get(rid),
                     )
                 )
             out = self.sampler(logits, rows)
@@ -152,4 +168,6 @@ class ModelRunner:
                 result.sampled[rid] = [token]
                 if lp is not None:
                     result.logprobs[rid] = [lp]
+        if self.kv_transfer is not None:  # KV store: save the blocks this forward filled
+            self.kv_transfer.save(plan)
         return result

@@ -1,0 +1,77 @@
+"""Structured output, the engine half: compile at admission, one grammar matcher per sequence,
+masks for the sequences that sample this step, advance on accepted tokens, jump-forward."""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from deepinfer.core.plan import StepPlan
+from deepinfer.core.scheduler import Scheduler
+
+
+class StructuredOutputs:
+    """Holds the grammar compiler (built on first use: xgrammar is an optional import) and matchers."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = sorted(stop_token_ids)
+        self._compiler = None
+        self._lock = threading.Lock()
+        self._matchers: dict[str, Any] = {}
+        self.jump_forward_tokens = 0  # tokens appended without a model step
+
+    def compile(self, so_args: dict) -> Any:
+        """Raises ValueError for an invalid regex, JSON schema or grammar (before anything is queued)."""
+        with self._lock:
+            if self._compiler is None:
+                from deepinfer.sample.structured import GrammarCompiler
+
+                self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size, stop_token_ids=self._stop_token_ids)
+        return self._compiler.compile(so_args)
+
+    def add(self, request_id: str, compiled: Any) -> None:
+        from deepinfer.sample.structured import GrammarMatcher
+
+        self._matchers[request_id] = GrammarMatcher(compiled)
+
+    def remove(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        if num_tokens:
+            self._matchers[request_id].rollback(num_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self._matchers)
+
+    def masks(self, plan: StepPlan, scheduler: Scheduler) -> dict[str, torch.Tensor]:
+        """Allowed-token masks for constrained sequences that sample a token this step."""
+        masks = {}
+        for request_id, n in plan.num_tokens.items():
+            matcher = self._matchers.get(request_id)
+            request = scheduler.requests.get(request_id)
+            if matcher is None or request is None or request.num_computed_tokens + n < request.num_tokens:
+                continue
+            masks[request_id] = matcher.allowed_mask()
+        return masks
+
+    def accept(self, request_id: str, tokens: list[int]) -> tuple[bool, list[int]]:
+        """Advances the grammar; returns (terminated, tokens the grammar now forces)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return False, []
+        for token in tokens:
+            if not matcher.accept_token(token):
+                raise RuntimeError(f"grammar rejected sampled token {token} for {request_id}: the mask was not applied")
+        if matcher.is_terminated():
+            return True, []
+        forced = matcher.jump_forward_tokens()
+        accepted = []
+        for token in forced:
+            if not matcher.accept_token(token):
+                break
+            accepted.append(token)
+        return matcher.is_terminated(), accepted

@@ -1,0 +1,1 @@
+"""Kernels behind switches (batch-invariant reductions)."""
