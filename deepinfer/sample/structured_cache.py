@@ -12,6 +12,8 @@ import threading
 from collections import OrderedDict
 from typing import Any, Generic, Hashable, TypeVar
 
+from deepinfer.sampling_params import SCHEMA_TYPES
+
 V = TypeVar("V")
 
 # xgrammar parses these keywords' subschemas but does not enforce them.
@@ -35,7 +37,7 @@ _SCHEMA_KEYWORDS = ("items", "additionalProperties", "propertyNames", "additiona
 _SCHEMA_LIST_KEYWORDS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions")
 
-CacheKey = tuple[str, "str | None"]
+CacheKey = tuple[str, str | None]
 
 
 def canonical_key(so_args: dict[str, Any]) -> CacheKey:
@@ -52,12 +54,16 @@ def canonical_key(so_args: dict[str, Any]) -> CacheKey:
             return ("json", None)
         parsed = _parse_json_schema(schema)
         check_json_schema(parsed)
-        return ("json", json.dumps(parsed, separators=(",", ":"), ensure_ascii=False))
+        try:
+            text = json.dumps(parsed, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"JSON schema is not JSON-serialisable: {e}") from None
+        return ("json", text)
     if kind in ("regex", "ebnf"):
         if not isinstance(schema, str) or not schema:
             raise ValueError(f"so_args['schema'] for {kind} must be a non-empty string, got {schema!r}")
         return (kind, normalize_regex(schema) if kind == "regex" else schema)
-    raise ValueError(f"so_args['schema_type'] must be one of ('regex', 'json', 'ebnf'), got {kind!r}")
+    raise ValueError(f"so_args['schema_type'] must be one of {SCHEMA_TYPES}, got {kind!r}")
 
 
 def _parse_json_schema(schema: Any) -> Any:
@@ -72,10 +78,6 @@ def _parse_json_schema(schema: Any) -> Any:
         return schema
     if not isinstance(schema, dict):
         raise ValueError(f"JSON schema must be an object or a boolean, got {type(schema).__name__}: {schema!r}")
-    try:
-        json.dumps(schema)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"JSON schema is not JSON-serialisable: {e}") from None
     return schema
 
 
@@ -83,7 +85,7 @@ def normalize_regex(regex: str) -> str:
     """Check a regex and give '.' Python's meaning (any character but newline; xgrammar's
     '.' also matches newline). Anchors are only accepted where xgrammar honours them."""
     out: list[str] = []
-    in_class = False
+    class_start = -1  # index of the first member of the open character class, -1 outside one
     i = 0
     while i < len(regex):
         ch = regex[i]
@@ -91,14 +93,11 @@ def normalize_regex(regex: str) -> str:
             out.append(regex[i:i + 2])
             i += 2
             continue
-        if in_class:
-            in_class = ch != "]" or regex[i - 1] == "["
+        if class_start >= 0:
+            if ch == "]" and i > class_start:  # a ']' first in the class is a member
+                class_start = -1
         elif ch == "[":
-            in_class = True
-            if regex[i + 1:i + 2] == "^":  # a negated class is not an anchor
-                out.append("[^")
-                i += 2
-                continue
+            class_start = i + 2 if regex[i + 1:i + 2] == "^" else i + 1
         elif ch == ".":
             ch = "[^\\n]"
         elif (ch == "^" and i != 0) or (ch == "$" and i != len(regex) - 1):
@@ -152,8 +151,9 @@ def _check(node: Any, path: str, root: Any) -> None:  # noqa: C901 - one rule pe
         raise _unsupported(path, f"'{constrained_text[0]}' combined with 'minLength'/'maxLength'")
     if "format" in node and node["format"] not in SUPPORTED_FORMATS:
         raise _unsupported(path, f"'format' {node['format']!r} (supported: {', '.join(sorted(SUPPORTED_FORMATS))})")
-    if "pattern" in node and isinstance(node["pattern"], str) and ("(?=" in node["pattern"] or "(?!" in node["pattern"]):
-        raise _unsupported(path, f"lookahead in 'pattern' {node['pattern']!r}")
+    pattern = node.get("pattern")
+    if isinstance(pattern, str) and any(look in pattern for look in ("(?=", "(?!", "(?<=", "(?<!")):
+        raise _unsupported(path, f"lookaround in 'pattern' {pattern!r}")
     if "items" in node and isinstance(node["items"], list):
         raise _unsupported(path, "'items' as an array (use 'prefixItems')")
     _check_object(node, path)
