@@ -64,7 +64,7 @@ class Attention(nn.Module):
         length = max_blocks * block_size
         keys = _gather_blocks(k_cache, block_tables, block_size).view(n, length, self.num_kv_heads, -1)
         values = _gather_blocks(v_cache, block_tables, block_size).view(n, length, self.num_kv_heads, -1)
-        pos = torch.arange(length)
+        pos = torch.arange(length, device=q.device)
         visible = pos[None, :] < context_lens[:, None]
         if self.sliding_window is not None:
             visible &= pos[None, :] > (context_lens[:, None] - 1 - self.sliding_window)
@@ -77,8 +77,8 @@ class Attention(nn.Module):
 
     def _prefill(self, q, keys, values, context_len):
         t = q.shape[0]
-        q_pos = torch.arange(context_len - t, context_len)[:, None]
-        k_pos = torch.arange(context_len)[None, :]
+        q_pos = torch.arange(context_len - t, context_len, device=q.device)[:, None]
+        k_pos = torch.arange(context_len, device=q.device)[None, :]
         visible = k_pos <= q_pos
         if self.sliding_window is not None:
             visible &= k_pos > q_pos - self.sliding_window
@@ -93,7 +93,7 @@ class Attention(nn.Module):
 
 def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     """Flat cache slots of positions 0..length-1 of a sequence."""
-    pos = torch.arange(length)
+    pos = torch.arange(length, device=block_table.device)
     return block_table[pos // block_size] * block_size + pos % block_size
 
 
