@@ -22,6 +22,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--batch-invariant", action="store_true", default=None, help="same as DEEPINFER_BATCH_INVARIANT=1")
     g.add_argument("--num-threads", type=int, default=None)
+    kv = parser.add_argument_group("KV store (prefix blocks kept beyond the device cache, shared across restarts)")
+    kv.add_argument("--kv-store", action="append", default=[], metavar="memory|disk|redis",
+                    help="a tier; repeat or give a comma list (memory is always in front of disk)")
+    kv.add_argument("--kv-store-path", default=None, help="directory of the disk tier (may be a shared mount)")
+    kv.add_argument("--kv-store-url", default=None, help="redis tier, e.g. redis://127.0.0.1:6379/0")
+    kv.add_argument("--kv-store-memory", type=_bytes, default=None, help="host-memory tier budget, e.g. 8GiB (default 1GiB)")
+    kv.add_argument("--kv-store-disk-capacity", type=_bytes, default=None, help="disk tier capacity (default 16GiB)")
+    kv.add_argument("--kv-ttl", action="append", default=[], type=_ttl, metavar="CLASS=SECONDS",
+                    help="lifetime of blocks saved for a traffic class (defaults agent=259200, chatbot=604800)")
+    kv.add_argument("--kv-ttl-class", default=None, choices=["agent", "chatbot"],
+                    help="class of requests that name none (default chatbot)")
 
 
 def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
@@ -37,6 +48,13 @@ def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         enable_chunked_prefill=not args.no_chunked_prefill,
         batch_invariant=args.batch_invariant,
         num_threads=args.num_threads,
+        kv_store=",".join(args.kv_store),
+        kv_store_path=args.kv_store_path,
+        kv_store_url=args.kv_store_url,
+        kv_store_memory=args.kv_store_memory,
+        kv_store_disk_capacity=args.kv_store_disk_capacity,
+        kv_ttl=dict(args.kv_ttl) or None,
+        kv_ttl_class=args.kv_ttl_class,
         **extra,
     )
 
@@ -48,6 +66,17 @@ def _bytes(text: str) -> int:
         if lower.endswith(unit):
             return int(float(lower[: -len(unit)]) * scale)
     return int(float(lower))
+
+
+def _ttl(text: str) -> tuple[str, float]:
+    name, sep, seconds = text.partition("=")
+    try:
+        value = float(seconds)
+    except ValueError:
+        value = None
+    if not sep or value is None:
+        raise argparse.ArgumentTypeError(f"expected CLASS=SECONDS (e.g. agent=259200), got {text!r}")
+    return name.strip(), value
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

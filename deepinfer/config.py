@@ -5,6 +5,9 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from deepinfer.kvstore.base import KINDS, KVStoreConfig
+from deepinfer.sampling_params import TTL_CLASSES
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -55,6 +58,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
     batch_invariant: bool = False
     enable_mtp_varlen: bool = True
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
@@ -66,9 +70,13 @@ class EngineConfig:
         parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
         owners = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
         top: dict[str, Any] = {}
-        top_names = {f.name for f in fields(cls)} - set(owners)
+        top_names = {f.name for f in fields(cls)} - set(owners) - {"kv_store"}
+        kv_store: dict[str, Any] = {}
         for key, value in kwargs.items():
             if value is None:
+                continue
+            if key == "kv_store" or key in _KV_STORE_OPTIONS:
+                kv_store[key] = value
                 continue
             owner = next((name for name, klass in owners.items() if key in {f.name for f in fields(klass)}), None)
             if owner is not None:
@@ -85,8 +93,50 @@ class EngineConfig:
             model=ModelConfig(**parts["model"]),
             cache=CacheConfig(**parts["cache"]),
             scheduler=SchedulerConfig(**parts["scheduler"]),
+            kv_store=_kv_store_config(kv_store),
             **top,
         )
+
+
+# flat option -> KVStoreConfig field; `kv_store` names the tiers and `kv_ttl` maps a class to seconds
+_KV_STORE_OPTIONS = {
+    "kv_store_path": "disk_path",
+    "kv_store_url": "redis_url",
+    "kv_store_memory": "memory_bytes",
+    "kv_store_disk_capacity": "disk_bytes",
+    "kv_store_save_queue": "save_queue_size",
+    "kv_ttl_class": "default_ttl_class",
+    "kv_ttl": "ttl_classes",
+}
+_NEEDS_KIND = {"kv_store_path": "disk", "kv_store_url": "redis", "kv_store_memory": "memory",
+               "kv_store_disk_capacity": "disk"}
+
+
+def _kv_store_config(options: dict[str, Any]) -> KVStoreConfig:
+    """kv_store: "memory", "memory,disk", a list of kinds, or a whole KVStoreConfig (then nothing else)."""
+    kinds = options.pop("kv_store", ())
+    if isinstance(kinds, KVStoreConfig):
+        if options:
+            raise ValueError(f"give either kv_store=KVStoreConfig(...) or the flat options, not both: {sorted(options)}")
+        return kinds
+    if isinstance(kinds, str):
+        kinds = [k.strip() for k in kinds.split(",") if k.strip()]
+    if not isinstance(kinds, (list, tuple)) or not all(isinstance(k, str) for k in kinds):
+        raise ValueError(f"kv_store must be a comma-separated string or a list of {KINDS}, got {kinds!r}")
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise ValueError(f"kv_store kinds must be among {KINDS}, got {unknown}")
+    for option, kind in _NEEDS_KIND.items():
+        if option in options and kind not in kinds:
+            raise ValueError(f"{option} is set but the {kind!r} tier is not enabled (kv_store={list(kinds)!r})")
+    values = {_KV_STORE_OPTIONS[k]: v for k, v in options.items()}
+    if "ttl_classes" in values:
+        ttl = values["ttl_classes"]
+        if not isinstance(ttl, Mapping) or not set(ttl) <= set(TTL_CLASSES):
+            raise ValueError(f"kv_ttl must map classes among {TTL_CLASSES} to seconds, got {ttl!r}")
+        values["ttl_classes"] = tuple({**dict(KVStoreConfig().ttl_classes), **ttl}.items())
+    # fastest tier first: memory in front of disk in front of redis
+    return KVStoreConfig(kinds=tuple(sorted(set(kinds), key=KINDS.index)), **values)
 
 
 def _env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:

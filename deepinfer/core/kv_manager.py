@@ -26,25 +26,32 @@ class KVCacheManager:
         return self._blocks.get(request_id, [])
 
     def update_keys(self, request: Request) -> None:
-        if self.enable_caching:
-            root = root_key(self.model_key, request.params.cache_salt)
-            extend_block_keys(request.block_hashes, root, request.all_token_ids, self.block_size)
+        """Extends request.block_hashes over its full blocks (the KV store needs them even with caching off)."""
+        root = root_key(self.model_key, request.params.cache_salt)
+        extend_block_keys(request.block_hashes, root, request.all_token_ids, self.block_size)
 
     def find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
         """Longest run of cached blocks for a request's known tokens, leaving at least one token to compute."""
         if not self.enable_caching:
             return [], 0
         self.update_keys(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size  # the last token must be computed for its logits
         hits: list[int] = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        for block_hash in request.block_hashes[: self.max_reusable_blocks(request)]:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
             hits.append(block_id)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def max_reusable_blocks(self, request: Request) -> int:
+        return (request.num_tokens - 1) // self.block_size  # the last token must be computed for its logits
+
+    def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counts one admitted request's prefix-cache lookup (a request that waits is counted once)."""
+        if not self.enable_caching:
+            return
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
 
     def blocks_needed(self, request: Request, num_new_tokens: int, num_cached_blocks: int = 0) -> int:
         have = len(self._blocks.get(request.request_id, ())) + num_cached_blocks
@@ -73,6 +80,16 @@ class KVCacheManager:
         new = self.pool.allocate(needed)
         blocks.extend(new)
         return added + new
+
+    def blocks_filled_by(self, request: Request, num_new_tokens: int) -> list[tuple[bytes, int]]:
+        """(key, block id) of each block that computing num_new_tokens more tokens makes full; call after allocate."""
+        first = request.num_computed_tokens // self.block_size
+        end = (request.num_computed_tokens + num_new_tokens) // self.block_size
+        if end <= first:
+            return []
+        self.update_keys(request)
+        blocks = self._blocks[request.request_id]
+        return [(request.block_hashes[i], blocks[i]) for i in range(first, end)]
 
     def cache_computed(self, request: Request) -> None:
         """Registers the request's full, computed blocks in the prefix cache."""

@@ -20,7 +20,8 @@ from deepinfer.engine.structured import StructuredOutputs
 from deepinfer.models.loader import iter_weights, load_model_files, load_tokenizer
 from deepinfer.outputs import RequestMetrics, RequestOutput
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.worker.model_builder import TORCH_DTYPES, build_model
+from deepinfer.models.registry import model_class
+from deepinfer.worker.model_builder import TORCH_DTYPES, architecture_of, build_model
 from deepinfer.worker.runner import ModelRunner, kv_bytes_per_block
 
 logger = logging.getLogger("deepinfer")
@@ -70,6 +71,7 @@ class Engine:
         files = load_model_files(config.model.model)
         self.model_path = files.path
         self.hf_config = files.hf_config
+        model_class(architecture_of(files.hf_config))  # unknown architectures fail before the slow parts
         self.tokenizer = load_tokenizer(files)
         self._backend_tokenizer = getattr(self.tokenizer, "backend_tokenizer", None) or self.tokenizer._tokenizer
         mc, cc = config.model, config.cache
@@ -264,6 +266,11 @@ class Engine:
                 if not request.is_finished:
                     self._appended[rid] = forced[:appended]
             if terminated and not request.is_finished:
+                self.scheduler.finish(rid, "stop")
+            elif not request.is_finished and len(request.output_token_ids) < request.params.min_tokens \
+                    and self.structured.only_stop_allowed(rid):
+                # min_tokens would suppress the only tokens the grammar allows (the sampler then fails the
+                # whole step); the grammar wins, so the output stays valid
                 self.scheduler.finish(rid, "stop")
 
     def close(self) -> None:

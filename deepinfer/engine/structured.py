@@ -58,6 +58,15 @@ class StructuredOutputs:
             masks[request_id] = matcher.allowed_mask()
         return masks
 
+    def only_stop_allowed(self, request_id: str) -> bool:
+        """Whether the request is constrained and its grammar complete: the next token can only be a stop token."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return False
+        allowed = matcher.allowed_mask()
+        allowed[self._stop_token_ids] = False
+        return not bool(allowed.any())
+
     def accept(self, request_id: str, tokens: list[int]) -> tuple[bool, list[int]]:
         """Advances the grammar; returns (terminated, tokens the grammar now forces)."""
         matcher = self._matchers.get(request_id)

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from hashlib import blake2b
 from typing import TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -84,6 +85,16 @@ def build_app(engine_client: AsyncEngineClient, settings: ServerSettings) -> Fas
             raise APIError(503, "the model is still loading", type="server_error", code="loading",
                            headers={"Retry-After": RETRY_AFTER_S})
 
+    async def check_constraint(body: CompletionRequest | ChatCompletionRequest, params: SamplingParams) -> None:
+        """Compiles the request's grammar before anything is queued, off the event loop and the engine thread:
+        a bad one is a 400 naming its field, and the engine then finds the grammar in its compile cache."""
+        if params.so_args is None:
+            return
+        try:
+            await asyncio.to_thread(engine_client.engine.structured.compile, params.so_args)
+        except ValueError as e:
+            raise APIError(400, str(e), param=body.structured_output()[0]) from None
+
     async def generate(request: Request, renderer: Renderer, prompts: list, params: SamplingParams,
                        stream: bool) -> Response:
         arrival = time.time()
@@ -107,9 +118,10 @@ def build_app(engine_client: AsyncEngineClient, settings: ServerSettings) -> Fas
     async def completions(request: Request) -> Response:
         body: CompletionRequest = parse_request(CompletionRequest, await request.body())
         check_model(body.model)
-        params = _params(body.sampling_params)
+        params = _tenant_salted(_params(body.sampling_params), request, settings)
         prompts = _params(body.prompts)
         check_serving()
+        await check_constraint(body, params)
         renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", settings.model_name, params, token_text(), body)
         _log(renderer.request_id, len(prompts), params, body.stream, body.user)
         return await generate(request, renderer, prompts, params, bool(body.stream))
@@ -118,8 +130,9 @@ def build_app(engine_client: AsyncEngineClient, settings: ServerSettings) -> Fas
     async def chat_completions(request: Request) -> Response:
         body: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
         check_model(body.model)
-        params = _params(body.sampling_params)
+        params = _tenant_salted(_params(body.sampling_params), request, settings)
         check_serving()
+        await check_constraint(body, params)
         messages = [m.as_template_input() for m in body.messages]
         prompt = await _call(engine_client.apply_chat_template, messages)
         renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", settings.model_name, params, token_text(), body)
@@ -333,6 +346,15 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
         return _error_response(APIError(500, f"internal error: {type(error).__name__}: {error}",
                                         type="server_error"), metrics)
+
+
+def _tenant_salted(params: SamplingParams, request: Request, settings: ServerSettings) -> SamplingParams:
+    """With API keys, each key is a prefix-cache tenant: its KV blocks never serve another key's requests."""
+    if not settings.api_key:
+        return params
+    key = request.headers.get("authorization", "").encode()  # already checked by _auth_checker
+    tenant = blake2b(key, digest_size=16, person=b"deepinfer-tenant").hexdigest()
+    return params.replace(cache_salt=f"{tenant}|{params.cache_salt or ''}")
 
 
 def _auth_checker(api_key: str | None) -> Callable[[Request], None]:

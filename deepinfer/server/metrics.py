@@ -17,6 +17,8 @@ from deepinfer.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from deepinfer.engine.engine import EngineStats
+    from deepinfer.kvstore.base import TierStats
+    from deepinfer.kvstore.connector import KVStoreConnectorStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -62,7 +64,55 @@ class _EngineStatsCollector(Collector):
             counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens),
             counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            *_kv_store_metrics(s.kv_store, self._model),
         ]
+
+
+def _kv_store_metrics(kv: KVStoreConnectorStats | None, model: str) -> list[Metric]:
+    """The external KV store, per tier (memory, disk, redis): hit tokens and rate, bytes, evictions, errors."""
+    if kv is None:
+        return []
+    tier_names = ["model_name", "tier"]
+
+    def per_tier(kind: type, name: str, doc: str, value: Callable[[TierStats], float]) -> Metric:
+        family = kind(name, doc, labels=tier_names)
+        for tier in kv.tiers:
+            family.add_metric([model, tier.name], value(tier))
+        return family
+
+    errors = CounterMetricFamily("deepinfer:kv_store_errors", "KV store faults, each treated as a miss or a lost save.",
+                                 labels=[*tier_names, "kind"])
+    for tier in kv.tiers:
+        for kind in ("corrupt", "io_errors", "connection_errors"):
+            errors.add_metric([model, tier.name, kind], getattr(tier, kind))
+    totals = [
+        ("deepinfer:kv_store_lookup_tokens", "Prompt tokens of admitted requests (the hit rates' denominator).",
+         kv.lookup_tokens),
+        ("deepinfer:kv_store_loaded_tokens", "Prompt tokens loaded from the KV store instead of computed.",
+         kv.loaded_tokens),
+        ("deepinfer:kv_store_failed_loads", "Blocks the store listed but could not deliver intact (recomputed).",
+         kv.failed_blocks),
+        ("deepinfer:kv_store_saves", "Blocks handed to the store's background saver.", kv.saves.queued),
+        ("deepinfer:kv_store_saves_dropped", "Blocks not saved because the save queue was full.", kv.saves.dropped),
+    ]
+    out: list[Metric] = []
+    for name, doc, value in totals:
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model], value)
+        out.append(family)
+    return out + [
+        per_tier(CounterMetricFamily, "deepinfer:kv_store_hit_tokens", "Prompt tokens loaded from this tier.",
+                 lambda t: t.hits * kv.block_size),
+        per_tier(GaugeMetricFamily, "deepinfer:kv_store_hit_rate", "Share of looked-up prompt tokens loaded from this tier.",
+                 lambda t: kv.hit_rate(t.name)),
+        per_tier(CounterMetricFamily, "deepinfer:kv_store_read_bytes", "Payload bytes read.", lambda t: t.bytes_read),
+        per_tier(CounterMetricFamily, "deepinfer:kv_store_written_bytes", "Payload bytes written.",
+                 lambda t: t.bytes_written),
+        per_tier(CounterMetricFamily, "deepinfer:kv_store_evictions", "Blocks evicted for capacity.", lambda t: t.evictions),
+        per_tier(CounterMetricFamily, "deepinfer:kv_store_expired", "Blocks found past their TTL and reclaimed.",
+                 lambda t: t.expired),
+        errors,
+    ]
 
 
 class ServerMetrics:

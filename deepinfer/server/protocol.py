@@ -5,6 +5,7 @@ any other field is rejected with a 400 that names it, rather than silently ignor
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
@@ -36,6 +37,54 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # our JSON grammars are always strict: declared properties only, in order
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: "text" (no constraint), "json_object" (any JSON object) or "json_schema"."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def so_args(self) -> dict[str, Any] | None:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError(f"response_format.json_schema is required with type 'json_schema' and allowed only "
+                             f"there, got type {self.type!r} {'with' if self.json_schema else 'without'} it")
+        if self.type == "text":
+            return None
+        return {"schema_type": "json", "schema": self.json_schema.schema_ if self.json_schema else None}
+
+
+class StructuredOutputs(_Request):
+    """vLLM's structured_outputs: exactly one constraint; a choice is a regex of its escaped alternatives."""
+
+    regex: str | None = None
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    grammar: str | None = None  # EBNF
+    choice: list[str] | None = None
+
+    def so_args(self) -> dict[str, Any]:
+        given = {"regex": self.regex, "json": self.json_, "json_object": self.json_object or None,
+                 "grammar": self.grammar, "choice": self.choice}
+        given = {name: value for name, value in given.items() if value is not None}
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of regex, json, json_object, grammar, choice; "
+                             f"got {sorted(given) or 'none'}")
+        ((kind, value),) = given.items()
+        if kind == "choice":
+            if not value or not all(value):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got {value!r}")
+            return {"schema_type": "regex", "schema": "(" + "|".join(map(re.escape, value)) + ")"}
+        if kind == "json_object":
+            return {"schema_type": "json", "schema": None}
+        return {"schema_type": {"grammar": "ebnf"}.get(kind, kind), "schema": value}
+
+
 class _SamplingRequest(_Request):
     """Fields shared by completions and chat; None means the OpenAI default."""
 
@@ -51,8 +100,23 @@ class _SamplingRequest(_Request):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     user: str | None = None  # recorded in the request log line
+    cache_salt: str | None = None  # prefix-cache tenant: requests with another salt never share KV blocks
+    kv_ttl_class: Literal["agent", "chatbot"] | None = None  # how long the KV store keeps this request's blocks
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # Structured output, at most one of: OpenAI's, deepinfer's ({"schema_type", "schema"}), vLLM's
+    response_format: ResponseFormat | None = None
+    so_args: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def structured_output(self) -> tuple[str, dict[str, Any]] | None:
+        """(the request field that constrains the output, its so_args); None when nothing does."""
+        given = {"response_format": self.response_format and self.response_format.so_args(), "so_args": self.so_args,
+                 "structured_outputs": self.structured_outputs and self.structured_outputs.so_args()}
+        given = {name: so_args for name, so_args in given.items() if so_args is not None}
+        if len(given) > 1:
+            raise ValueError(f"give at most one of response_format, so_args and structured_outputs, got {sorted(given)}")
+        return next(iter(given.items()), None)
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, **extra: Any) -> SamplingParams:
         """Raises ValueError naming the bad value (SamplingParams validates)."""
@@ -62,8 +126,10 @@ class _SamplingRequest(_Request):
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "n": self.n, "stop": self.stop, "seq_seed": self.seed, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+            "cache_salt": self.cache_salt, "kv_ttl_class": self.kv_ttl_class,
         }
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+        constraint = self.structured_output()
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, so_args=constraint and constraint[1],
                               **{k: v for k, v in given.items() if v is not None}, **extra)
 
     @property

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from kvstore_helpers import FakeClock
+from .kvstore_helpers import FakeClock
 
 
 class RedisServer:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from kvstore_helpers import chain, key, payload
+from .kvstore_helpers import chain, key, payload
 
 from deepinfer.kvstore import KVStore, KVStoreConfig, make_store
 

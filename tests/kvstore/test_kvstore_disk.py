@@ -5,7 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
-from kvstore_helpers import FakeClock, chain, key, payload
+from .kvstore_helpers import FakeClock, chain, key, payload
 
 from deepinfer.kvstore import DiskStore, KVStoreConfig
 from deepinfer.kvstore.record import HEADER_SIZE

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from kvstore_helpers import FakeClock, chain, key, payload
+from .kvstore_helpers import FakeClock, chain, key, payload
 
 from deepinfer.kvstore import KVStoreConfig, MemoryStore
 

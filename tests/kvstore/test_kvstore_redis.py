@@ -3,7 +3,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from kvstore_helpers import chain, key, payload
+from .kvstore_helpers import chain, key, payload
 
 from deepinfer.kvstore import KVStoreConfig
 

@@ -5,7 +5,7 @@ import time
 from typing import Sequence
 
 import pytest
-from kvstore_helpers import FakeClock, chain, key, payload
+from .kvstore_helpers import FakeClock, chain, key, payload
 
 from deepinfer.kvstore import AsyncSaver, Entry, KVStoreConfig, KVStoreStats, MemoryStore
 from deepinfer.kvstore.base import KVStore

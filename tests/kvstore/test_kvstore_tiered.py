@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstore_helpers import FakeClock, chain, key, payload
+from .kvstore_helpers import FakeClock, chain, key, payload
 
 from deepinfer.kvstore import DiskStore, KVStoreConfig, MemoryStore, TieredStore
 
