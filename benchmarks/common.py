@@ -1,0 +1,477 @@
+"""Shared benchmark helpers: seeded token-id workloads, machine info, JSON output, and engine runners.
+
+Every runner takes the same requests (prompt token ids plus an exact output length) and generates exactly that
+many tokens per request, greedy, with EOS ignored, so engines do identical work:
+
+- deepinfer: the offline `LLM` API, every request submitted at once (the engine batches continuously).
+- transformers: `generate` on static batches with left padding; a batch runs to its longest output.
+- llama-cpp-python (optional): one request after another (`Llama.generate`); it has no multi-sequence API.
+- vLLM (optional): a worker subprocess under another interpreter, using vLLM's offline `LLM` API.
+
+Heavy imports stay inside functions: this file is also the vLLM worker, run by that venv's python
+(`python common.py vllm-worker ...`), where neither deepinfer nor this venv's packages exist.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+@dataclass
+class RunResult:
+    engine: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int  # requested and checked as generated; transformers' padding-waste tokens are not counted
+    wall_s: float
+    # Seconds after every request had its first token (decode only); how each runner measures it is in its docstring.
+    decode_s: float | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    token_ids: list[list[int]] = field(default_factory=list, repr=False)  # each request's counted output tokens
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.wall_s
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        # Each request's first token comes out of its prefill, so decode produced output_len - 1 per request.
+        if not self.decode_s:
+            return None
+        return (self.output_tokens - self.num_requests) / self.decode_s
+
+    def to_dict(self) -> dict[str, Any]:
+        row = {**asdict(self), "output_tok_s": self.output_tok_s, "total_tok_s": self.total_tok_s,
+               "decode_tok_s": self.decode_tok_s}
+        del row["token_ids"]
+        return row
+
+
+def greedy_agreement(ours: RunResult, reference: RunResult) -> dict[str, float]:
+    """How far two runs' greedy outputs agree: a fast engine that computes something else shows up here.
+    Float32 engines on the same weights should agree almost everywhere (a near-tie can flip and then diverge);
+    llama.cpp computes on the quantized weights and drifts sooner."""
+    pairs = list(zip(ours.token_ids, reference.token_ids))
+    if not pairs or len(ours.token_ids) != len(reference.token_ids):
+        raise ValueError(f"cannot compare {len(ours.token_ids)} outputs with {len(reference.token_ids)}")
+    prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in pairs]
+    return {"identical_requests": sum(x == y for x, y in pairs) / len(pairs),
+            "matched_prefix_tokens": sum(prefix) / sum(len(y) for _, y in pairs)}
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot run here (not installed, no interpreter); the benchmark skips it and says why."""
+
+
+# ---- workloads -------------------------------------------------------------------------------------------------
+
+def ordinary_token_ids(tokenizer: Any) -> list[int]:
+    """The vocabulary minus special and added tokens, so random prompts hold no control tokens."""
+    excluded = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    return [i for i in range(len(tokenizer)) if i not in excluded]
+
+
+def random_requests(count: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int],
+                    token_ids: Sequence[int], seed: int) -> list[BenchRequest]:
+    """`count` requests with lengths uniform in the inclusive ranges and prompt tokens uniform over token_ids.
+
+    Prompts are token ids, not text, so every engine sees identical input without re-tokenizing.
+    """
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    for name, (low, high) in (("prompt_lens", prompt_lens), ("output_lens", output_lens)):
+        if not 1 <= low <= high:
+            raise ValueError(f"{name} must be a range 1 <= low <= high, got {(low, high)}")
+    if not token_ids:
+        raise ValueError("token_ids is empty")
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(count):
+        prompt = [rng.choice(token_ids) for _ in range(rng.randint(*prompt_lens))]
+        requests.append(BenchRequest(prompt, rng.randint(*output_lens)))
+    return requests
+
+
+def workload_summary(requests: Sequence[BenchRequest]) -> dict[str, int]:
+    prompts = [len(r.prompt_token_ids) for r in requests]
+    outputs = [r.output_len for r in requests]
+    return {"num_requests": len(requests), "prompt_tokens": sum(prompts), "output_tokens": sum(outputs),
+            "min_prompt": min(prompts), "max_prompt": max(prompts), "min_output": min(outputs), "max_output": max(outputs)}
+
+
+# ---- machine info and output -----------------------------------------------------------------------------------
+
+def machine_info(threads: int) -> dict[str, Any]:
+    """What the numbers depend on. Load average is included because a shared machine skews them."""
+    import torch
+
+    info: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": _cpu_model(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "benchmark_threads": threads,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_CORETYPE") if k in os.environ},
+    }
+    for package in ("transformers", "deepinfer", "llama_cpp"):
+        info[package] = _version(package)
+    return info
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return platform.processor() or None
+
+
+def _version(package: str) -> str | None:
+    if importlib.util.find_spec(package) is None:
+        return None
+    try:
+        from importlib.metadata import version
+
+        return version({"llama_cpp": "llama-cpp-python"}.get(package, package))
+    except Exception:  # an editable or vendored install without metadata
+        return "unknown"
+
+
+def default_output_path(benchmark: str, suffix: str = ".json") -> str:
+    return os.path.join(RESULTS_DIR, f"{benchmark}-{time.strftime('%Y%m%d-%H%M%S')}{suffix}")
+
+
+def write_json(payload: dict[str, Any], path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.write("\n")
+    return path
+
+
+def _check_lengths(engine: str, requests: Sequence[BenchRequest], generated: Sequence[int]) -> None:
+    short = [(i, n, r.output_len) for i, (r, n) in enumerate(zip(requests, generated)) if n < r.output_len]
+    if short:
+        i, n, want = short[0]
+        raise RuntimeError(f"{engine} generated {n} tokens for request {i}, expected {want} ({len(short)} short)")
+
+
+# ---- runners ---------------------------------------------------------------------------------------------------
+
+class Runner:
+    """Generates each request's output_len tokens greedily, EOS ignored, from its prompt token ids."""
+
+    name = "?"
+    mode = "?"  # how requests reach the engine, for the report
+
+    def run(self, requests: Sequence[BenchRequest], progress: bool = True) -> RunResult:
+        raise NotImplementedError
+
+    def warmup(self, requests: Sequence[BenchRequest]) -> None:
+        self.run(requests, progress=False)
+
+    def close(self) -> None:
+        pass
+
+
+class DeepinferRunner(Runner):
+    """decode_s: from the moment the last request got its first token to the last token (engine timestamps);
+    meaningful when every request fits in one running batch (max_num_seqs)."""
+
+    name = "deepinfer"
+    mode = "continuous batching, all requests submitted at once"
+
+    def __init__(self, model: str, threads: int, options: dict[str, Any]) -> None:
+        from deepinfer import LLM
+
+        self.options = {"dtype": "float32", "num_threads": threads, **options}
+        self.llm = LLM(model, **self.options)
+
+    def run(self, requests: Sequence[BenchRequest], progress: bool = True) -> RunResult:
+        from deepinfer import SamplingParams
+
+        params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+        preemptions = self.llm.engine.stats().num_preemptions
+        start = time.perf_counter()
+        outputs = self.llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=progress)
+        wall = time.perf_counter() - start
+        failed = [o for o in outputs if o.error]
+        if failed:
+            raise RuntimeError(f"deepinfer failed {len(failed)} requests; first: {failed[0].error}")
+        _check_lengths(self.name, requests, [len(o.outputs[0].token_ids) for o in outputs])
+        first = max(o.metrics.first_token_time for o in outputs)
+        last = max(o.metrics.last_token_time for o in outputs)
+        return RunResult(self.name, len(requests), sum(len(r.prompt_token_ids) for r in requests),
+                         sum(r.output_len for r in requests), wall, last - first,
+                         {"cached_prompt_tokens": sum(o.num_cached_tokens for o in outputs),
+                          "preemptions": self.llm.engine.stats().num_preemptions - preemptions},
+                         [list(o.outputs[0].token_ids[: r.output_len]) for o, r in zip(outputs, requests)])
+
+
+class TransformersRunner(Runner):
+    """Static batches of batch_size in request order, left-padded; each batch generates its longest output
+    (min_new_tokens = max_new_tokens keeps every row going past EOS) and only each request's own length counts.
+    decode_s: per batch, from the first logits processor call (right after the prefill forward) to the end."""
+
+    name = "transformers"
+
+    def __init__(self, model_path: str, threads: int, batch_size: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if batch_size < 1:
+            raise ValueError(f"transformers batch size must be >= 1, got {batch_size}")
+        torch.set_num_threads(threads)
+        self.batch_size = batch_size
+        self.mode = f"static batches of up to {batch_size} requests, left padding"
+        directory, name = os.path.split(model_path)
+        if not name.endswith(".gguf"):  # a Hugging Face directory
+            directory, name = model_path, None
+        self.model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+        eos = self.model.config.eos_token_id
+        self.eos = eos[0] if isinstance(eos, list) else eos
+        pad = self.model.config.pad_token_id
+        self.pad = pad if pad is not None else (self.eos if self.eos is not None else 0)  # masked out either way
+
+    def run(self, requests: Sequence[BenchRequest], progress: bool = True) -> RunResult:
+        import torch
+        from tqdm.auto import tqdm
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        wall = decode = 0.0
+        generated_total = 0
+        token_ids: list[list[int]] = []
+        with tqdm(total=len(requests), desc="transformers", unit="req", disable=not progress) as bar:
+            for at in range(0, len(requests), self.batch_size):
+                batch = requests[at : at + self.batch_size]
+                width = max(len(r.prompt_token_ids) for r in batch)
+                new = max(r.output_len for r in batch)
+                ids = torch.tensor([[self.pad] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
+                mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch])
+                config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, num_beams=1,
+                                          pad_token_id=self.pad, eos_token_id=self.eos)
+                clock = _first_call_clock()
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                              logits_processor=LogitsProcessorList([clock]))
+                end = time.perf_counter()
+                if out.shape[1] - width != new:
+                    raise RuntimeError(f"transformers generated {out.shape[1] - width} tokens per row, expected {new}")
+                wall += end - start
+                decode += end - clock.first
+                generated_total += new * len(batch)
+                token_ids += [row[width : width + r.output_len] for row, r in zip(out.tolist(), batch)]
+                bar.update(len(batch))
+        output_tokens = sum(r.output_len for r in requests)
+        return RunResult(self.name, len(requests), sum(len(r.prompt_token_ids) for r in requests), output_tokens,
+                         wall, decode, {"generated_tokens_with_padding_waste": generated_total}, token_ids)
+
+
+def _first_call_clock():
+    # The class is built here, not at import: LogitsProcessor needs transformers, absent in the vLLM worker.
+    from transformers import LogitsProcessor
+
+    class FirstCallClock(LogitsProcessor):
+        """Records when generate first asks for logits processing: the prefill forward has just finished."""
+
+        first: float | None = None
+
+        def __call__(self, input_ids, scores):
+            if self.first is None:
+                self.first = time.perf_counter()
+            return scores
+
+    return FirstCallClock()
+
+
+class LlamaCppRunner(Runner):
+    """One request at a time through `Llama.generate` (greedy), stopped after output_len tokens; the context is
+    reset first, so no prompt prefix is reused. decode_s: the sum over requests of first token to last token."""
+
+    name = "llamacpp"
+    mode = "sequential (Llama.generate, one request at a time)"
+
+    def __init__(self, model_path: str, threads: int, n_ctx: int, n_batch: int) -> None:
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise EngineUnavailable("llama-cpp-python is not installed (pip install llama-cpp-python)")
+        if not model_path.endswith(".gguf"):
+            raise EngineUnavailable(f"llama.cpp needs a .gguf model, got {model_path!r}")
+        _probe_llamacpp(model_path)
+        from llama_cpp import Llama
+
+        self.n_ctx, self.n_batch = n_ctx, n_batch
+        self.llm = Llama(model_path=model_path, n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
+                         n_threads_batch=threads, seed=0, verbose=False)
+
+    def run(self, requests: Sequence[BenchRequest], progress: bool = True) -> RunResult:
+        from tqdm.auto import tqdm
+
+        token_ids: list[list[int]] = []
+        decode = 0.0
+        start = time.perf_counter()
+        for r in tqdm(requests, desc="llama.cpp", unit="req", disable=not progress):
+            if len(r.prompt_token_ids) + r.output_len > self.n_ctx:
+                raise ValueError(f"request needs {len(r.prompt_token_ids) + r.output_len} tokens, n_ctx is {self.n_ctx}")
+            self.llm.reset()
+            tokens: list[int] = []
+            first = time.perf_counter()
+            for token in self.llm.generate(r.prompt_token_ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+                tokens.append(token)
+                if len(tokens) == 1:
+                    first = time.perf_counter()
+                if len(tokens) == r.output_len:
+                    break
+            decode += time.perf_counter() - first
+            token_ids.append(tokens)
+        wall = time.perf_counter() - start
+        _check_lengths(self.name, requests, [len(t) for t in token_ids])
+        return RunResult(self.name, len(requests), sum(len(r.prompt_token_ids) for r in requests),
+                         sum(r.output_len for r in requests), wall, decode,
+                         {"n_ctx": self.n_ctx, "n_batch": self.n_batch}, token_ids)
+
+    def close(self) -> None:
+        if hasattr(self.llm, "close"):  # llama-cpp-python >= 0.2.60 frees its context explicitly
+            self.llm.close()
+
+
+_LLAMACPP_PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
+next(iter(llm.generate([100, 200, 300], temp=0.0)))
+"""
+
+
+def _probe_llamacpp(model_path: str) -> None:
+    """Decodes one token in a child process first: a llama.cpp built for instructions this machine advertises but
+    cannot run (AMX tiles in a VM) dies with SIGILL, which would take the whole benchmark down with it."""
+    try:
+        probe = subprocess.run([sys.executable, "-c", _LLAMACPP_PROBE, model_path], capture_output=True, text=True,
+                               timeout=300)
+    except subprocess.TimeoutExpired as e:
+        raise EngineUnavailable("llama-cpp-python's probe (load the model, decode one token) took over 300 s") from e
+    if probe.returncode != 0:
+        code = probe.returncode
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        last = (probe.stderr.strip().splitlines() or ["no error output"])[-1]
+        hint = (" (an instruction this CPU cannot run; on a VM without AMX rebuild with CMAKE_ARGS=\"-DGGML_NATIVE=OFF "
+                "-DGGML_AVX2=ON -DGGML_AVX512=ON ...\", which leaves AMX off)" if code == -signal.SIGILL else f": {last}")
+        raise EngineUnavailable(f"llama-cpp-python failed a probe run, {how}{hint}")
+
+
+class VllmRunner(Runner):
+    """vLLM's offline API in a worker process started with another interpreter (vLLM is not in this venv).
+    Prefix caching is off there, so the prefill-only pass does not warm the timed one. decode_s: the timed
+    run's wall time minus a prefill-only pass (max_tokens=1) over the same prompts, when measure_decode is set."""
+
+    name = "vllm"
+    mode = "vLLM offline LLM.generate in a subprocess, all requests submitted at once"
+
+    def __init__(self, python: str | None, model_path: str, threads: int, measure_decode: bool) -> None:
+        if not python:
+            raise EngineUnavailable("no --vllm-python given (the python of a venv with vllm installed)")
+        if not os.access(python, os.X_OK):
+            raise EngineUnavailable(f"--vllm-python {python!r} is not an executable")
+        probe = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            last = (probe.stderr.strip().splitlines() or ["no error output"])[-1]
+            raise EngineUnavailable(f"{python} cannot import vllm: {last}")
+        self.version = probe.stdout.strip()
+        self.measure_decode = measure_decode
+        read_fd, write_fd = os.pipe()  # results travel on their own pipe: vLLM logs to stdout and stderr
+        self.proc = subprocess.Popen([python, os.path.abspath(__file__), "vllm-worker", model_path, str(threads),
+                                      str(write_fd)], stdin=subprocess.PIPE, text=True, pass_fds=(write_fd,))
+        os.close(write_fd)  # the worker holds the only write end, so its death reads as EOF here
+        self.results = os.fdopen(read_fd)
+        self._reply()  # the worker says ready once the model is loaded
+
+    def _reply(self) -> dict[str, Any]:
+        line = self.results.readline()
+        if not line:
+            raise RuntimeError(f"the vLLM worker exited (code {self.proc.wait()}) before answering; see its log above")
+        return json.loads(line)
+
+    def run(self, requests: Sequence[BenchRequest], progress: bool = True) -> RunResult:
+        command = {"requests": [[r.prompt_token_ids, r.output_len] for r in requests],
+                   "measure_prefill": self.measure_decode, "progress": progress}
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        reply = self._reply()
+        _check_lengths(self.name, requests, [len(t) for t in reply["token_ids"]])
+        wall, prefill = reply["wall_s"], reply["prefill_s"]
+        decode = wall - prefill if prefill is not None and wall > prefill else None  # noise can invert a tiny run
+        return RunResult(self.name, len(requests), sum(len(r.prompt_token_ids) for r in requests),
+                         sum(r.output_len for r in requests), wall, decode,
+                         {"vllm": self.version, "prefill_only_s": prefill},
+                         [t[: r.output_len] for t, r in zip(reply["token_ids"], requests)])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # EOF ends the worker's loop
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.results.close()
+
+
+def _vllm_worker(model: str, threads: int, result_fd: int) -> None:
+    """Runs under the vLLM venv's python: one JSON command a line on stdin, one JSON reply a line on result_fd."""
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    torch.set_num_threads(threads)
+    llm = LLM(model=model, dtype="float32", seed=0, skip_tokenizer_init=True, enable_prefix_caching=False)
+    with os.fdopen(result_fd, "w") as out:
+        out.write(json.dumps({"ready": True}) + "\n")
+        out.flush()
+        for line in sys.stdin:
+            command = json.loads(line)
+            prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in command["requests"]]
+            prefill_s = None
+            if command["measure_prefill"]:
+                one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
+                start = time.perf_counter()
+                llm.generate(prompts, one, use_tqdm=False)
+                prefill_s = time.perf_counter() - start
+            params = [SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False)
+                      for _, n in command["requests"]]
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=command["progress"])
+            wall = time.perf_counter() - start
+            out.write(json.dumps({"wall_s": wall, "prefill_s": prefill_s,
+                                  "token_ids": [list(o.outputs[0].token_ids) for o in outputs]}) + "\n")
+            out.flush()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 5 or sys.argv[1] != "vllm-worker":
+        sys.exit("usage: python common.py vllm-worker MODEL THREADS RESULT_FD (started by VllmRunner)")
+    _vllm_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
