@@ -125,9 +125,19 @@ def test_expert_counts_sum_to_tokens_times_top_k(pair):
     llm = LLM(path, kv_cache_memory=4 << 20, enable_prefix_caching=False, num_threads=1)
     model = llm.engine.runner.model
     model.pop_expert_counts()
+    runner, steps = llm.engine.runner, []
+    execute = runner.execute
+
+    def recording(plan):  # the runner moves each step's counts onto StepResult.expert_counts (the EPLB input)
+        result = execute(plan)
+        steps.append(result.expert_counts)
+        return result
+
+    runner.execute = recording
     ours_greedy(llm, PROMPTS, 4)
     tokens = sum(len(p) + 4 - 1 for p in PROMPTS)  # prompts, then one fed-back token per later step
-    counts = model.pop_expert_counts()
+    steps = [s for s in steps if s is not None]
+    counts = [[sum(step[i][e] for step in steps) for e in range(len(steps[0][i]))] for i in range(len(steps[0]))]
     assert len(counts) == BASE["num_hidden_layers"] - BASE["first_k_dense_replace"]
     for layer in counts:
         assert len(layer) == BASE["n_routed_experts"]
