@@ -33,6 +33,16 @@ def test_logits_tokens_and_expert_counts(pair, monkeypatch):
         monkeypatch.setitem(registry._MODELS, "Qwen3MoeForCausalLM", ("deepinfer.models.qwen3_moe", "Qwen3MoeForCausalLM"))
     llm = LLM(path, kv_cache_memory=4 << 20, enable_prefix_caching=False, num_threads=1)
     model = llm.engine.runner.model
+    runner, steps = llm.engine.runner, []
+    execute = runner.execute
+
+    def recording(plan):  # each step's expert counts travel on StepResult.expert_counts
+        result = execute(plan)
+        if result.expert_counts is not None:
+            steps.append(result.expert_counts)
+        return result
+
+    runner.execute = recording
     for prompt in PROMPTS:
         seen = record_logits(llm)
         (ours,) = ours_greedy(llm, [prompt], STEPS)
@@ -40,5 +50,5 @@ def test_logits_tokens_and_expert_counts(pair, monkeypatch):
         theirs, hf_logits = hf_greedy(hf, prompt, STEPS)
         assert ours == theirs
         torch.testing.assert_close(torch.cat(seen), hf_logits, atol=1e-4, rtol=0)
-    counts = model.pop_expert_counts()
+    counts = [[sum(step[i][e] for step in steps) for e in range(len(steps[0][i]))] for i in range(len(steps[0]))]
     assert len(counts) == 2 and all(sum(c) == sum(len(p) + STEPS - 1 for p in PROMPTS) * 2 for c in counts)
