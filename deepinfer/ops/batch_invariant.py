@@ -1,0 +1,340 @@
+"""Batch-invariant kernels: a token's result depends only on its own data, never on the other tokens in the step.
+
+Float addition is not associative, so a reduction gives the same bits only if it adds the same numbers in the same
+order. Library kernels pick their order from the problem shape (a GEMM's blocking and threading change with the row
+count M; a reduction splits rows across threads or blocks by the row count), so every reduction here gets an order
+fixed by construction:
+
+- ``linear``: rows go through the GEMM in tiles of exactly ``ROW_TILE`` rows (the last tile zero-padded), one call
+  per tile, every tile starting 64-byte aligned. Every call has the same shape, strides and alignment whatever M is,
+  so the library runs the same code with the same K order, and a GEMM row reads only its own input row. On a CPU
+  with MKL the weight is packed once for that tile shape (``cblas_sgemm_pack``), which makes tiles as fast as one
+  large call at batch 32; elsewhere each tile is one F.linear call.
+- ``fold_sum`` (RMSNorm, softmax, log_softmax, attention's sums): a pairwise tree over the last dimension made of
+  elementwise adds, whose pairs depend only on the row length. An elementwise add is one IEEE addition whatever
+  kernel, thread or device runs it. max needs no order (it is exact), so ``amax`` is used as is.
+- ``paged_attention``: keys are split into chunks of ``KV_CHUNK`` positions aligned at absolute position 0. Per
+  (token, kv head, chunk) the scores are a [group, head_dim] x [head_dim, chunk] GEMM item and the chunk's p V a
+  [group, chunk] x [chunk, v_dim] item, identical for decodes, prefill chunks and prefix hits; the row max is
+  exact; chunk sums are ``fold_sum``s; chunk results are added left to right from position 0. A chunk with no
+  visible key adds exact zeros, so padding with or skipping such chunks changes nothing.
+
+What this relies on: that a GEMM call computes each output row (each item, for a batched call) in an order set by
+the call's shape, layout and alignment, not by the values of other rows or the batch count. On a CPU that is MKL's
+behaviour, checked by tests/ops over batch sizes and thread counts. Off the CPU every attention GEMM call is made
+identical too (``_items_per_call``), as every linear tile already is, so the reliance there is only on cuBLAS giving
+the same bits for the same call on the same GPU, which it documents. Elementwise kernels must apply the same
+function to every element: true on CUDA; on a CPU torch's silu and sigmoid compute the tail of a thread's slice with
+a scalar formula that can differ in the last bit from the vector one (exp, rsqrt and log do not), which only matters
+when a row's width is not a multiple of 32 floats (SmolLM2's are; see the README).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.layers.context import AttentionMetadata
+from deepinfer.layers.linear import Linear
+from deepinfer.layers.norm import RMSNorm
+
+ROW_TILE = 32  # rows per GEMM call: batch-32 decode is one full tile (measured fastest at batch 32-64 on MKL)
+KV_CHUNK = 64  # key positions per attention reduction chunk (at least one KV block)
+_ALIGN = 64  # bytes: every tile of a GEMM starts on this boundary (ROW_TILE * K * 4 bytes keeps it from tile to tile)
+_GPU_ITEMS_PER_CALL = 256  # attention GEMM items per batched call off the CPU
+_PREFILL_ROWS = 256  # query tokens of one sequence scored at once, to bound the [tokens, chunks, ...] scores tensor
+
+
+# ---- reductions over the last dimension ---------------------------------------------------------------------------
+
+
+def fold_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension (kept, size 1) in a pairwise order fixed by its length alone: element i adds
+    element i + half until one is left; an odd width first sets its last element aside, added at the end in the
+    reverse order it was set aside."""
+    aside = []
+    while x.shape[-1] > 1:
+        width = x.shape[-1]
+        if width % 2:
+            aside.append(x[..., width - 1 :])
+            width -= 1
+        half = width // 2
+        x = x[..., :half] + x[..., half:width]
+    for tail in reversed(aside):
+        x = x + tail
+    return x
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension, float32, in a fixed order per row."""
+    x = x.float()
+    p = torch.exp(x - x.amax(dim=-1, keepdim=True))
+    return p / fold_sum(p)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Log-softmax over the last dimension, float32, in a fixed order per row."""
+    x = x.float()
+    shifted = x - x.amax(dim=-1, keepdim=True)
+    return shifted - torch.log(fold_sum(torch.exp(shifted)))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm as layers.norm.RMSNorm computes it (float32, weight or 1 + weight), with a fold for the mean square."""
+    dtype = x.dtype
+    x = x.float()
+    mean_square = fold_sum(x * x) / x.shape[-1]
+    x = x * torch.rsqrt(mean_square + eps)
+    return (x * (weight.float() + offset)).to(dtype)
+
+
+# ---- matmul -------------------------------------------------------------------------------------------------------
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight packed by MKL for ROW_TILE-row GEMMs, or None where that path does not exist (not float32 on a CPU
+    with MKL); ``linear`` then calls F.linear per tile, which is invariant by the same argument, only slower."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkl.is_available():
+        return None
+    try:
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), ROW_TILE)
+    except (AttributeError, RuntimeError):  # a torch build without the MKL packed-GEMM ops
+        return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b with every row computed by a GEMM call of the same shape: tiles of ROW_TILE rows."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    full = m // ROW_TILE * ROW_TILE
+    if full and not (rows.is_contiguous() and rows.data_ptr() % _ALIGN == 0):
+        full = 0  # copy everything into a fresh, aligned buffer below
+    tiles = [rows[start : start + ROW_TILE] for start in range(0, full, ROW_TILE)]
+    if full < m or m == 0:
+        rest = rows.new_empty(max(1, -(-(m - full) // ROW_TILE)) * ROW_TILE, k)  # the allocator aligns to 64 bytes
+        rest[: m - full] = rows[full:]
+        rest[m - full :] = 0
+        tiles += list(rest.split(ROW_TILE))
+    if packed is not None:
+        outs = [torch.ops.mkl._mkl_linear(tile, packed, weight, bias, ROW_TILE) for tile in tiles]
+    else:
+        outs = [F.linear(tile, weight, bias) for tile in tiles]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out[:m].reshape(*lead, weight.shape[0])
+
+
+# ---- modules swapped in by make_batch_invariant --------------------------------------------------------------------
+
+
+class InvariantLinear(nn.Module):
+    """A Linear / nn.Linear that computes through ``linear``; shares the original parameters (ties stay tied)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.packed = pack_weight(weight)  # not a buffer: an MKL-internal layout, rebuilt from the weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed)
+
+
+class InvariantRMSNorm(nn.Module):
+    def __init__(self, norm: RMSNorm) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = norm.eps
+        self.offset = norm.offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.offset)
+
+
+def make_batch_invariant(model: nn.Module) -> nn.Module:
+    """Swaps every Linear, nn.Linear (lm_head included) and RMSNorm of a built model for its invariant form, in
+    place; attention switches itself through the forward context. Model files stay unchanged.
+
+    Raises ValueError for layers whose reductions have no invariant form yet (MLA, MoE routing and combine).
+    """
+    from deepinfer.layers.mla import MLAttention
+    from deepinfer.layers.moe import MoE
+
+    unsupported = sorted({type(m).__name__ for m in model.modules() if isinstance(m, (MLAttention, MoE))})
+    if unsupported:
+        raise ValueError(f"batch_invariant is not supported for {type(model).__name__}: its {', '.join(unsupported)} "
+                         f"layers have no batch-invariant kernels; supported are dense attention models")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, (Linear, nn.Linear)):
+                setattr(parent, name, InvariantLinear(child.weight, child.bias))
+            elif isinstance(child, RMSNorm):
+                setattr(parent, name, InvariantRMSNorm(child))
+    return model
+
+
+# ---- attention ----------------------------------------------------------------------------------------------------
+
+
+def paged_attention(layer, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    md: AttentionMetadata) -> torch.Tensor:
+    """q [T, H, D] against the cached K/V (this step's already written) -> [T, H, Dv] in q's dtype.
+
+    Per query and kv head: scores against each key chunk by a [G, D] x [D, chunk] GEMM item; the row max over all
+    visible keys (exact in any order); p = exp(score - max); per chunk its fold_sum and a [G, chunk] x [chunk, Dv]
+    GEMM item; chunk sums and chunk outputs added left to right from position 0; out = sum_pv / sum_p. Decodes (rows
+    0..num_decodes-1) run as one batched GEMM per kv head over (row, chunk) items, each prefill sequence as one
+    batched GEMM per chunk and kv head over its tokens (the chunk's keys shared, batch stride 0). The items, the
+    masking and the order of additions are the same on both paths, so a token's result depends neither on which
+    path ran it, nor on the other rows, nor on how its prompt was chunked; a chunk with nothing visible for a row
+    adds exact zeros on the decode path and is skipped on the prefill path.
+    """
+    chunk = max(KV_CHUNK, md.block_size)
+    qs = q.float() * layer.scale  # a fresh contiguous [T, H, D]; scaling q, not the scores, saves a pass
+    out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
+    nd = md.num_decodes
+    if nd:
+        lens = md.decode_context_lens
+        keys, values = _gather(k_cache, v_cache, md.decode_block_tables, -(-int(lens.max()) // chunk), chunk,
+                               md.block_size)
+        out[:nd] = _decode(layer, qs[:nd], keys, values, lens - 1, chunk).to(out.dtype)
+    for seq in md.prefills:
+        keys, values = _gather(k_cache, v_cache, seq.block_table[None], -(-seq.context_len // chunk), chunk,
+                               md.block_size)
+        first = seq.context_len - seq.num_tokens
+        for start in range(0, seq.num_tokens, _PREFILL_ROWS):
+            n = min(_PREFILL_ROWS, seq.num_tokens - start)
+            rows = slice(seq.start + start, seq.start + start + n)
+            out[rows] = _prefill(layer, qs[rows], keys[0], values[0], first + start, chunk).to(out.dtype)
+    return out
+
+
+def _gather(k_cache, v_cache, block_tables, num_chunks, chunk, block_size):
+    """K and V of positions 0..num_chunks * chunk - 1 per table row: [rows, length, Hkv, D], float32. Tables
+    shorter than that are padded with block 0: finite values at masked positions, which contribute exact zeros.
+    Keys stay in the cache's layout: the score GEMMs read them as transposed views, the same on both paths."""
+    need = num_chunks * chunk // block_size
+    if block_tables.shape[1] < need:
+        block_tables = F.pad(block_tables, (0, need - block_tables.shape[1]))
+    index = block_tables[:, :need].flatten()
+    n = block_tables.shape[0]
+
+    def rows(cache):
+        blocks = cache.view(cache.shape[0] // block_size, -1).index_select(0, index)
+        return blocks.view(n, num_chunks * chunk, *cache.shape[1:]).float()
+
+    return rows(k_cache), rows(v_cache)
+
+
+def _items_per_call(device: torch.device) -> int | None:
+    """None on a CPU: MKL's strided batch GEMM computes each item as a GEMM of the item's own shape and layout,
+    whatever the batch count or batch stride (tests/ops check it across batch sizes and thread counts). Elsewhere
+    (cuBLAS chooses kernels from the batch count and strides) every call gets the same number of contiguous items."""
+    return None if device.type == "cpu" else _GPU_ITEMS_PER_CALL
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Batched GEMM of items a [U, M, K] x b [U, K, N] whose per-item result does not depend on U."""
+    group = _items_per_call(a.device)
+    if group is None:
+        return torch.bmm(a, b, out=out)
+    results = []
+    for start in range(0, a.shape[0], group):
+        a_g, b_g = a[start : start + group].contiguous(), b[start : start + group].contiguous()
+        if a_g.shape[0] < group:  # zero items pad the last call to the same count
+            a_g = torch.cat((a_g, a_g.new_zeros(group - a_g.shape[0], *a_g.shape[1:])))
+            b_g = torch.cat((b_g, b_g.new_zeros(group - b_g.shape[0], *b_g.shape[1:])))
+        results.append(torch.bmm(a_g, b_g))
+    result = torch.cat(results)[: a.shape[0]]
+    return result if out is None else out.copy_(result)
+
+
+def _mask(layer, positions: torch.Tensor, key_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For queries at positions [U] and keys at key_positions: (bias, keep) as float tensors of shape
+    [U, *key_positions.shape], bias 0 / -inf and keep 1 / 0 for visible / masked keys; None if all are visible."""
+    q = positions.view(-1, *([1] * key_positions.dim()))
+    visible = key_positions[None] <= q
+    if layer.sliding_window is not None:
+        visible &= key_positions[None] > q - layer.sliding_window
+    if bool(visible.all()):
+        return None
+    keep = visible.float()
+    return torch.zeros_like(keep).masked_fill_(~visible, float("-inf")), keep
+
+
+def _masked_max(scores: torch.Tensor, mask) -> torch.Tensor:
+    """Max over the last dimension of the visible scores (max is exact in any order); -inf if none is visible."""
+    return (scores if mask is None else scores + mask[0]).amax(dim=-1, keepdim=True)
+
+
+def _exp(scores: torch.Tensor, row_max: torch.Tensor, mask) -> torch.Tensor:
+    """exp(score - max), exactly 0 where masked. Masked entries reach exp as exp(0), never as exp(-inf), which is
+    several times slower on CPUs (scores are finite: keys in the cache are). For visible entries the masked and
+    the plain form give the same bits (x * 1 and x + 0 are exact), so callers mask only where something is masked."""
+    if mask is None:
+        return torch.exp(scores - row_max)
+    keep = mask[1]
+    return torch.exp((scores - row_max) * keep).mul_(keep)
+
+
+def _decode(layer, q, keys, values, positions, chunk):
+    """One query per row, each with its own keys [U, L, Hkv, D] and values [U, L, Hkv, Dv] -> [U, H, Dv]."""
+    u, hkv, num_chunks = q.shape[0], layer.num_kv_heads, keys.shape[1] // chunk
+    group = layer.num_heads // hkv
+    scores = q.new_empty(hkv, u * num_chunks, group, chunk)
+    for h in range(hkv):  # one item per (row, chunk): [G, D] x [D, chunk], as on the prefill path
+        a = q[:, h * group : (h + 1) * group].unsqueeze(1).expand(u, num_chunks, group, q.shape[-1])
+        b = keys[:, :, h].reshape(u * num_chunks, chunk, -1).transpose(1, 2)
+        _bmm(a.reshape(u * num_chunks, group, -1), b, out=scores[h])
+    scores = scores.view(hkv, u, num_chunks, group, chunk)
+    key_pos = torch.arange(num_chunks * chunk, device=q.device).view(num_chunks, 1, chunk)
+    mask = _mask(layer, positions, key_pos)  # [U, C, 1, chunk]
+    row_max = _masked_max(scores, mask).amax(dim=2, keepdim=True)
+    p = _exp(scores, row_max, mask)
+    sums = fold_sum(p)  # [Hkv, U, C, G, 1]
+    outs = q.new_empty(hkv, u * num_chunks, group, layer.v_head_dim)
+    for h in range(hkv):
+        v = values[:, :, h].reshape(u * num_chunks, chunk, -1)
+        _bmm(p[h].view(u * num_chunks, group, chunk), v, out=outs[h])
+    outs = outs.view(hkv, u, num_chunks, group, -1)
+    total = torch.zeros_like(sums[:, :, 0])
+    acc = torch.zeros_like(outs[:, :, 0])
+    for c in range(num_chunks):
+        total += sums[:, :, c]
+        acc += outs[:, :, c]
+    return (acc / total).transpose(0, 1).reshape(u, layer.num_heads, -1)
+
+
+def _prefill(layer, q, keys, values, first_position, chunk):
+    """Consecutive queries of one sequence sharing keys [L, Hkv, D] and values [L, Hkv, Dv] -> [U, H, Dv].
+
+    Chunk c is scored only for the rows at or after its first position (earlier rows would add exact zeros).
+    """
+    u, hkv, num_chunks = q.shape[0], layer.num_kv_heads, keys.shape[0] // chunk
+    group = layer.num_heads // hkv
+    positions = torch.arange(first_position, first_position + u, device=q.device)
+    row_max = q.new_full((hkv, u, group, 1), float("-inf"))
+    chunks = []  # (chunk, first row, scores [Hkv, rows, G, chunk], mask)
+    for c in range(num_chunks):
+        first = max(0, c * chunk - first_position)
+        if first >= u:
+            break
+        scores = q.new_empty(hkv, u - first, group, chunk)
+        for h in range(hkv):  # items [G, D] x [D, chunk], the chunk's keys shared by the tokens (batch stride 0)
+            b = keys[c * chunk : (c + 1) * chunk, h].t()
+            _bmm(q[first:, h * group : (h + 1) * group], b.expand(u - first, *b.shape), out=scores[h])
+        key_pos = torch.arange(c * chunk, (c + 1) * chunk, device=q.device).view(1, chunk)
+        mask = _mask(layer, positions[first:], key_pos)  # [rows, 1, chunk] or None
+        torch.maximum(row_max[:, first:], _masked_max(scores, mask), out=row_max[:, first:])
+        chunks.append((c, first, scores, mask))
+    total = q.new_zeros(hkv, u, group, 1)
+    acc = q.new_zeros(hkv, u, group, layer.v_head_dim)
+    for c, first, scores, mask in chunks:
+        p = _exp(scores, row_max[:, first:], mask)
+        total[:, first:] += fold_sum(p)
+        v_c = values[c * chunk : (c + 1) * chunk]
+        for h in range(hkv):
+            v = v_c[:, h]
+            acc[h, first:] += _bmm(p[h], v.expand(u - first, *v.shape))
+    return (acc / total).transpose(0, 1).reshape(u, layer.num_heads, -1)
