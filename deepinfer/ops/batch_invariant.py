@@ -85,7 +85,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     x = x.float()
     mean_square = fold_sum(x * x) / x.shape[-1]
     x = x * torch.rsqrt(mean_square + eps)
-    return (x * (weight.float() + offset)).to(dtype)
+    return (x * (weight.float() + offset if offset else weight.float())).to(dtype)  # w + 0.0 is w: one op less
 
 
 # ---- matmul -------------------------------------------------------------------------------------------------------
@@ -181,50 +181,49 @@ def paged_attention(layer, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                     md: AttentionMetadata) -> torch.Tensor:
     """q [T, H, D] against the cached K/V (this step's already written) -> [T, H, Dv] in q's dtype.
 
-    Per query and kv head: scores against each key chunk by a [G, D] x [D, chunk] GEMM item; the row max over all
-    visible keys (exact in any order); p = exp(score - max); per chunk its fold_sum and a [G, chunk] x [chunk, Dv]
-    GEMM item; chunk sums and chunk outputs added left to right from position 0; out = sum_pv / sum_p. Decodes (rows
-    0..num_decodes-1) run as one batched GEMM per kv head over (row, chunk) items, each prefill sequence as one
-    batched GEMM per chunk and kv head over its tokens (the chunk's keys shared, batch stride 0). The items, the
-    masking and the order of additions are the same on both paths, so a token's result depends neither on which
-    path ran it, nor on the other rows, nor on how its prompt was chunked; a chunk with nothing visible for a row
-    adds exact zeros on the decode path and is skipped on the prefill path.
+    Per query and kv head (G query heads share it): scores against each key chunk by a [G, D] x [D, chunk] GEMM
+    item; the row max over all visible keys (exact in any order); p = exp(score - max); per chunk its fold_sum and
+    a [G, chunk] x [chunk, Dv] GEMM item; chunk sums and chunk outputs added left to right from position 0;
+    out = sum_pv / sum_p. Decodes (rows 0..num_decodes-1) run as one batched GEMM per kv head over the (row, chunk)
+    pairs that hold keys; each prefill sequence as one batched GEMM per chunk and kv head over its tokens (the
+    chunk's keys shared, batch stride 0). Items, masks and the order of additions are the same on both paths, so a
+    token's result depends neither on which path ran it, nor on the other rows, nor on how its prompt was chunked
+    or which of its blocks came from the prefix cache. A chunk with nothing visible for a row adds exact zeros.
     """
     chunk = max(KV_CHUNK, md.block_size)
     qs = q.float() * layer.scale  # a fresh contiguous [T, H, D]; scaling q, not the scores, saves a pass
     out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
     nd = md.num_decodes
     if nd:
-        lens = md.decode_context_lens
-        keys, values = _gather(k_cache, v_cache, md.decode_block_tables, -(-int(lens.max()) // chunk), chunk,
-                               md.block_size)
-        out[:nd] = _decode(layer, qs[:nd], keys, values, lens - 1, chunk).to(out.dtype)
+        out[:nd] = _decode(layer, qs[:nd], k_cache, v_cache, md.decode_block_tables, md.decode_context_lens,
+                           chunk, md.block_size).to(out.dtype)
     for seq in md.prefills:
-        keys, values = _gather(k_cache, v_cache, seq.block_table[None], -(-seq.context_len // chunk), chunk,
-                               md.block_size)
+        num_chunks = -(-seq.context_len // chunk)
+        blocks = _chunk_blocks(seq.block_table[None], num_chunks, chunk // md.block_size)[0]
+        keys, values = _gather(k_cache, blocks, md.block_size), _gather(v_cache, blocks, md.block_size)
         first = seq.context_len - seq.num_tokens
         for start in range(0, seq.num_tokens, _PREFILL_ROWS):
             n = min(_PREFILL_ROWS, seq.num_tokens - start)
             rows = slice(seq.start + start, seq.start + start + n)
-            out[rows] = _prefill(layer, qs[rows], keys[0], values[0], first + start, chunk).to(out.dtype)
+            out[rows] = _prefill(layer, qs[rows], keys.flatten(0, 1), values.flatten(0, 1), first + start,
+                                 chunk).to(out.dtype)
     return out
 
 
-def _gather(k_cache, v_cache, block_tables, num_chunks, chunk, block_size):
-    """K and V of positions 0..num_chunks * chunk - 1 per table row: [rows, length, Hkv, D], float32. Tables
-    shorter than that are padded with block 0: finite values at masked positions, which contribute exact zeros.
-    Keys stay in the cache's layout: the score GEMMs read them as transposed views, the same on both paths."""
-    need = num_chunks * chunk // block_size
-    if block_tables.shape[1] < need:
-        block_tables = F.pad(block_tables, (0, need - block_tables.shape[1]))
-    index = block_tables[:, :need].flatten()
-    n = block_tables.shape[0]
+def _chunk_blocks(tables: torch.Tensor, num_chunks: int, per_chunk: int) -> torch.Tensor:
+    """Block ids [rows, num_chunks, per_chunk] of each table row's first num_chunks key chunks. Tables shorter than
+    that are padded with block 0: finite values at masked positions, which contribute exact zeros."""
+    width = num_chunks * per_chunk
+    if tables.shape[1] < width:
+        tables = F.pad(tables, (0, width - tables.shape[1]))
+    return tables[:, :width].reshape(tables.shape[0], num_chunks, per_chunk)
 
-    def rows(cache):
-        blocks = cache.view(cache.shape[0] // block_size, -1).index_select(0, index)
-        return blocks.view(n, num_chunks * chunk, *cache.shape[1:]).float()
 
-    return rows(k_cache), rows(v_cache)
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The cache rows of whole blocks [*, per_chunk] -> [*, per_chunk * block_size, heads, dim], float32. Keys keep
+    the cache's layout: the score GEMMs read them as transposed views, the same on both paths."""
+    rows = cache.view(cache.shape[0] // block_size, -1).index_select(0, blocks.flatten())
+    return rows.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, *cache.shape[1:]).float()
 
 
 def _items_per_call(device: torch.device) -> int | None:
@@ -251,12 +250,11 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> t
 
 
 def _mask(layer, positions: torch.Tensor, key_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """For queries at positions [U] and keys at key_positions: (bias, keep) as float tensors of shape
-    [U, *key_positions.shape], bias 0 / -inf and keep 1 / 0 for visible / masked keys; None if all are visible."""
-    q = positions.view(-1, *([1] * key_positions.dim()))
-    visible = key_positions[None] <= q
+    """(bias, keep) as float tensors of the broadcast shape of query positions and key positions: bias 0 / -inf
+    and keep 1 / 0 for visible / masked keys; None if every key is visible."""
+    visible = key_positions <= positions
     if layer.sliding_window is not None:
-        visible &= key_positions[None] > q - layer.sliding_window
+        visible &= key_positions > positions - layer.sliding_window
     if bool(visible.all()):
         return None
     keep = visible.float()
@@ -278,29 +276,36 @@ def _exp(scores: torch.Tensor, row_max: torch.Tensor, mask) -> torch.Tensor:
     return torch.exp((scores - row_max) * keep).mul_(keep)
 
 
-def _decode(layer, q, keys, values, positions, chunk):
-    """One query per row, each with its own keys [U, L, Hkv, D] and values [U, L, Hkv, Dv] -> [U, H, Dv]."""
-    u, hkv, num_chunks = q.shape[0], layer.num_kv_heads, keys.shape[1] // chunk
+def _decode(layer, q, k_cache, v_cache, tables, lens, chunk, block_size):
+    """One query per row, row u at position lens[u] - 1 -> [U, H, Dv]. Items are the (row, chunk) pairs a row has
+    keys in, gathered straight from the cache; the chunks a row has no keys in add exact zeros."""
+    u, hkv = q.shape[0], layer.num_kv_heads
     group = layer.num_heads // hkv
-    scores = q.new_empty(hkv, u * num_chunks, group, chunk)
-    for h in range(hkv):  # one item per (row, chunk): [G, D] x [D, chunk], as on the prefill path
-        a = q[:, h * group : (h + 1) * group].unsqueeze(1).expand(u, num_chunks, group, q.shape[-1])
-        b = keys[:, :, h].reshape(u * num_chunks, chunk, -1).transpose(1, 2)
-        _bmm(a.reshape(u * num_chunks, group, -1), b, out=scores[h])
-    scores = scores.view(hkv, u, num_chunks, group, chunk)
-    key_pos = torch.arange(num_chunks * chunk, device=q.device).view(num_chunks, 1, chunk)
-    mask = _mask(layer, positions, key_pos)  # [U, C, 1, chunk]
-    row_max = _masked_max(scores, mask).amax(dim=2, keepdim=True)
-    p = _exp(scores, row_max, mask)
-    sums = fold_sum(p)  # [Hkv, U, C, G, 1]
-    outs = q.new_empty(hkv, u * num_chunks, group, layer.v_head_dim)
+    counts = -(-lens // chunk)
+    num_chunks = int(counts.max())
+    rows = torch.repeat_interleave(torch.arange(u, device=q.device), counts)  # pair -> row
+    chunk_of = torch.arange(rows.shape[0], device=q.device) - (torch.cumsum(counts, 0) - counts)[rows]
+    slot = rows * num_chunks + chunk_of  # pair -> (row, chunk) in a [U * C] grid
+    blocks = _chunk_blocks(tables, num_chunks, chunk // block_size)[rows, chunk_of]
+    keys, values = _gather(k_cache, blocks, block_size), _gather(v_cache, blocks, block_size)  # [P, chunk, Hkv, D]
+    scores = q.new_empty(hkv, rows.shape[0], group, chunk)
+    for h in range(hkv):  # items [G, D] x [D, chunk], as on the prefill path
+        _bmm(q[rows, h * group : (h + 1) * group], keys[:, :, h].transpose(1, 2), out=scores[h])
+    key_pos = chunk_of.view(-1, 1, 1) * chunk + torch.arange(chunk, device=q.device)
+    mask = _mask(layer, (lens - 1)[rows].view(-1, 1, 1), key_pos)  # [P, 1, chunk]
+    pair_max = q.new_full((hkv, u * num_chunks, group, 1), float("-inf"))
+    pair_max[:, slot] = _masked_max(scores, mask)
+    row_max = pair_max.view(hkv, u, num_chunks, group, 1).amax(dim=2)
+    p = _exp(scores, row_max[:, rows], mask)
+    sums = q.new_zeros(hkv, u * num_chunks, group, 1)
+    sums[:, slot] = fold_sum(p)
+    outs = q.new_zeros(hkv, u * num_chunks, group, layer.v_head_dim)
     for h in range(hkv):
-        v = values[:, :, h].reshape(u * num_chunks, chunk, -1)
-        _bmm(p[h].view(u * num_chunks, group, chunk), v, out=outs[h])
-    outs = outs.view(hkv, u, num_chunks, group, -1)
+        outs[h, slot] = _bmm(p[h], values[:, :, h])
+    sums, outs = sums.view(hkv, u, num_chunks, group, 1), outs.view(hkv, u, num_chunks, group, -1)
     total = torch.zeros_like(sums[:, :, 0])
     acc = torch.zeros_like(outs[:, :, 0])
-    for c in range(num_chunks):
+    for c in range(num_chunks):  # left to right, as _prefill adds them
         total += sums[:, :, c]
         acc += outs[:, :, c]
     return (acc / total).transpose(0, 1).reshape(u, layer.num_heads, -1)
@@ -309,32 +314,33 @@ def _decode(layer, q, keys, values, positions, chunk):
 def _prefill(layer, q, keys, values, first_position, chunk):
     """Consecutive queries of one sequence sharing keys [L, Hkv, D] and values [L, Hkv, Dv] -> [U, H, Dv].
 
-    Chunk c is scored only for the rows at or after its first position (earlier rows would add exact zeros).
+    Chunk c is multiplied only for the rows at or after its first position; the earlier rows keep zero scores,
+    fully masked, so they add the exact zeros a chunk without keys adds on the decode path.
     """
-    u, hkv, num_chunks = q.shape[0], layer.num_kv_heads, keys.shape[0] // chunk
+    u, hkv = q.shape[0], layer.num_kv_heads
     group = layer.num_heads // hkv
-    positions = torch.arange(first_position, first_position + u, device=q.device)
-    row_max = q.new_full((hkv, u, group, 1), float("-inf"))
-    chunks = []  # (chunk, first row, scores [Hkv, rows, G, chunk], mask)
-    for c in range(num_chunks):
-        first = max(0, c * chunk - first_position)
-        if first >= u:
-            break
-        scores = q.new_empty(hkv, u - first, group, chunk)
+    firsts = [max(0, c * chunk - first_position) for c in range(keys.shape[0] // chunk)]
+    firsts = [f for f in firsts if f < u]  # later chunks hold only positions after every row
+    num_chunks = len(firsts)
+    scores = q.new_zeros(hkv, num_chunks, u, group, chunk)
+    for c, first in enumerate(firsts):
         for h in range(hkv):  # items [G, D] x [D, chunk], the chunk's keys shared by the tokens (batch stride 0)
             b = keys[c * chunk : (c + 1) * chunk, h].t()
-            _bmm(q[first:, h * group : (h + 1) * group], b.expand(u - first, *b.shape), out=scores[h])
-        key_pos = torch.arange(c * chunk, (c + 1) * chunk, device=q.device).view(1, chunk)
-        mask = _mask(layer, positions[first:], key_pos)  # [rows, 1, chunk] or None
-        torch.maximum(row_max[:, first:], _masked_max(scores, mask), out=row_max[:, first:])
-        chunks.append((c, first, scores, mask))
-    total = q.new_zeros(hkv, u, group, 1)
-    acc = q.new_zeros(hkv, u, group, layer.v_head_dim)
-    for c, first, scores, mask in chunks:
-        p = _exp(scores, row_max[:, first:], mask)
-        total[:, first:] += fold_sum(p)
-        v_c = values[c * chunk : (c + 1) * chunk]
+            _bmm(q[first:, h * group : (h + 1) * group], b.expand(u - first, *b.shape), out=scores[h, c, first:])
+    positions = torch.arange(first_position, first_position + u, device=q.device).view(1, u, 1, 1)
+    key_pos = torch.arange(num_chunks * chunk, device=q.device).view(num_chunks, 1, 1, chunk)
+    mask = _mask(layer, positions, key_pos)  # [C, U, 1, chunk]
+    row_max = _masked_max(scores, mask).amax(dim=1, keepdim=True)
+    p = _exp(scores, row_max, mask)
+    sums = fold_sum(p)
+    outs = q.new_zeros(hkv, num_chunks, u, group, layer.v_head_dim)
+    for c, first in enumerate(firsts):
         for h in range(hkv):
-            v = v_c[:, h]
-            acc[h, first:] += _bmm(p[h], v.expand(u - first, *v.shape))
+            v = values[c * chunk : (c + 1) * chunk, h]
+            _bmm(p[h, c, first:], v.expand(u - first, *v.shape), out=outs[h, c, first:])
+    total = torch.zeros_like(sums[:, 0])
+    acc = torch.zeros_like(outs[:, 0])
+    for c in range(num_chunks):  # left to right, as _decode adds them
+        total += sums[:, c]
+        acc += outs[:, c]
     return (acc / total).transpose(0, 1).reshape(u, layer.num_heads, -1)
