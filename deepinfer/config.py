@@ -31,8 +31,18 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: a fraction of free memory
     enable_prefix_caching: bool = True
+    # sliding-window hybrids: "compact" caches each sequence's last swa_keep_tokens positions of sliding-window KV
+    # (a hit may replay a bounded tail); "full" caches all of it. swa_keep_tokens None: derived from the window.
+    swa_prefix_mode: str = "compact"
+    swa_keep_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.swa_prefix_mode not in ("compact", "full"):
+            raise ValueError(f"swa_prefix_mode (DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE) must be 'compact' or 'full', "
+                             f"got {self.swa_prefix_mode!r}")
+        if self.swa_keep_tokens is not None and (isinstance(self.swa_keep_tokens, bool) or self.swa_keep_tokens < 1):
+            raise ValueError(f"swa_keep_tokens (DEEPINFER_YOCO_PREFILL_KEEP_TOKENS) must be >= 1, got "
+                             f"{self.swa_keep_tokens!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -62,6 +72,7 @@ class EngineConfig:
     batch_invariant: bool = False
     enable_mtp_varlen: bool = True
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
+    cpu_kernels: bool = True  # the compiled CPU paged-decode kernel (DEEPINFER_CPU_KERNELS=0: torch ops only)
 
     @classmethod
     def from_kwargs(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> EngineConfig:
@@ -87,6 +98,15 @@ class EngineConfig:
                 raise ValueError(f"unknown engine option {key!r}")
         if "batch_invariant" not in top:
             top["batch_invariant"] = _env_flag(env, "DEEPINFER_BATCH_INVARIANT", False)
+        if "swa_prefix_mode" not in parts["cache"] and env.get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"):
+            parts["cache"]["swa_prefix_mode"] = env["DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"].strip().lower()
+        if "swa_keep_tokens" not in parts["cache"] and env.get("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"):
+            raw = env["DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"]
+            if not raw.strip().isdigit():
+                raise ValueError(f"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS must be a positive integer, got {raw!r}")
+            parts["cache"]["swa_keep_tokens"] = int(raw)
+        if "cpu_kernels" not in top:
+            top["cpu_kernels"] = _env_flag(env, "DEEPINFER_CPU_KERNELS", True)
         if "enable_mtp_varlen" not in top:
             top["enable_mtp_varlen"] = _env_flag(env, "DEEPINFER_ENABLE_MTP_VARLEN", True)
         return cls(

@@ -32,6 +32,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}
         self._evictions = 0
+        self.peak_in_use = 0  # most blocks referenced at once
 
     @property
     def num_free_blocks(self) -> int:
@@ -52,6 +53,7 @@ class BlockPool:
             self._evict(block_id)
             self._ref[block_id] = 1
             ids.append(block_id)
+        self.peak_in_use = max(self.peak_in_use, self.num_blocks - len(self._free))
         return ids
 
     def lookup(self, block_hash: bytes) -> int | None:
@@ -63,6 +65,7 @@ class BlockPool:
             if self._ref[block_id] == 0:
                 del self._free[block_id]
             self._ref[block_id] += 1
+        self.peak_in_use = max(self.peak_in_use, self.num_blocks - len(self._free))
 
     def free(self, block_ids: list[int]) -> None:
         """Drops one reference each; pass a request's blocks tail first so its tail is evicted first."""
@@ -73,14 +76,26 @@ class BlockPool:
             if self._ref[block_id] == 0:
                 self._free[block_id] = None
 
-    def cache(self, block_id: int, block_hash: bytes) -> None:
-        """Marks a full, computed block as holding the tokens behind `block_hash`."""
+    def cache(self, block_id: int, block_hash: bytes) -> bool:
+        """Marks a full, computed block as holding the tokens behind `block_hash`; False if it was not registered
+        (caching off, the block already holds a key, or another block holds the same content)."""
         if not self.enable_caching or self._hash[block_id] is not None:
-            return
+            return False
         if block_hash in self._cached:  # same content computed twice: keep the first copy
-            return
+            return False
         self._hash[block_id] = block_hash
         self._cached[block_hash] = block_id
+        return True
+
+    def uncache(self, block_id: int, block_hash: bytes) -> None:
+        """Drops a block from the cache index if it still holds `block_hash`; its references are untouched."""
+        if self._hash[block_id] == block_hash:
+            self._hash[block_id] = None
+            del self._cached[block_hash]
+
+    def holds(self, block_id: int, block_hash: bytes) -> bool:
+        """Whether the block is still indexed under `block_hash` (not evicted and handed out again)."""
+        return self._hash[block_id] == block_hash
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]

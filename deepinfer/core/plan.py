@@ -18,7 +18,7 @@ class NewRequestData:
     request_id: str
     token_ids: list[int]  # prompt + outputs known so far
     num_prompt_tokens: int
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per layer group, its block table
     num_computed_tokens: int
     params: SamplingParams
     seed: int
@@ -28,7 +28,7 @@ class NewRequestData:
 @dataclass
 class CachedRequestData:
     request_id: str
-    new_block_ids: list[int]
+    new_block_ids: list[list[int]]  # per layer group, entries appended to its table
     num_computed_tokens: int
 
 
@@ -56,6 +56,8 @@ class StepPlan:
     # count in num_computed_tokens. Saves copy blocks this step's forward fills, after it.
     kv_loads: dict[str, list[KVBlockRef]] = field(default_factory=dict)
     kv_saves: dict[str, list[KVBlockRef]] = field(default_factory=dict)
+    # saved before the forward: tails of requests that finished (their blocks may be handed out this step)
+    kv_saves_first: dict[str, list[KVBlockRef]] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:

@@ -30,6 +30,7 @@ class Request:
     stop_reason: str | int | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # one per full block of known tokens
     num_preemptions: int = 0
+    use_kv_store: bool = True  # False after a failed store load on a layer-group model: recompute instead
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -32,6 +32,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        self._tail_saves: dict[str, list[KVBlockRef]] = {}
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
@@ -42,6 +43,9 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_pending_saves(self) -> bool:
+        return bool(self._tail_saves)
 
     def finish(self, request_id: str, reason: str, stop_reason: str | int | None = None) -> Request | None:
         request = self.requests.pop(request_id, None)
@@ -54,13 +58,17 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
+        if self.connector is not None:  # compact sliding tails: read by the worker before its blocks are reused
+            tail = self.kv.tail_blocks(request)
+            if tail:
+                self._tail_saves[request_id] = [KVBlockRef(k, b, request.params.kv_ttl_class) for k, b in tail]
         self.kv.free(request)
         self._finished_ids.append(request_id)
         return request
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan(finished_ids=self._finished_ids)
-        self._finished_ids = []
+        plan = StepPlan(finished_ids=self._finished_ids, kv_saves_first=self._tail_saves)
+        self._finished_ids, self._tail_saves = [], {}
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -88,27 +96,24 @@ class Scheduler:
     def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            cached: list[int] = []
-            load_keys: list[bytes] = []
+            hit = self.kv.no_hit()
             if request.params.prompt_logprobs is None:  # prompt logprobs need every position computed
-                cached, _ = self.kv.find_cached_prefix(request)
-                load_keys = self._loadable_keys(request, len(cached))
-            num_loaded = len(load_keys) * self.kv.block_size
-            num_cached = len(cached) * self.kv.block_size + num_loaded
+                store = self.connector.num_loadable if self.connector is not None and request.use_kv_store else None
+                hit = self.kv.find_cached_prefix(request, store)
+            num_cached = hit.num_tokens
             n = request.num_tokens - num_cached
             if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if not self.kv.can_allocate(request, num_loaded + n, cached):
+            if not self.kv.can_allocate(request, n, hit):
                 break
-            block_ids = self.kv.allocate(request, num_loaded + n, cached)
+            block_ids = self.kv.allocate(request, n, hit)
             self.waiting.popleft()
-            self.kv.count_lookup(request.num_tokens, len(cached) * self.kv.block_size)
+            self.kv.count_lookup(request.num_tokens, hit)
             if self.connector is not None:
-                self.connector.count_admitted(request.num_tokens, len(load_keys))
-            if load_keys:  # allocate() put the store's blocks right after the device-cached ones
-                targets = block_ids[len(cached) : len(cached) + len(load_keys)]
-                plan.kv_loads[request.request_id] = [KVBlockRef(k, b) for k, b in zip(load_keys, targets)]
+                self.connector.count_admitted(request.num_tokens, hit.num_loaded_blocks)
+            if hit.num_new_blocks:  # store blocks, filled by the worker before the forward
+                plan.kv_loads[request.request_id] = [KVBlockRef(k, b) for k, b in self.kv.load_targets(request, hit)]
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
@@ -119,7 +124,7 @@ class Scheduler:
                     request_id=request.request_id,
                     token_ids=request.all_token_ids,
                     num_prompt_tokens=request.num_prompt_tokens,
-                    block_ids=list(block_ids),
+                    block_ids=block_ids,
                     num_computed_tokens=num_cached,
                     params=request.params,
                     seed=request.seed,
@@ -130,14 +135,6 @@ class Scheduler:
             self._plan_saves(plan, request, n)
             budget -= n
         return budget
-
-    def _loadable_keys(self, request: Request, num_device_blocks: int) -> list[bytes]:
-        """Keys of the blocks after the device-cached ones that the store can fill, in chain order."""
-        if self.connector is None:
-            return []
-        self.kv.update_keys(request)
-        wanted = request.block_hashes[num_device_blocks : self.kv.max_reusable_blocks(request)]
-        return wanted[: self.connector.num_loadable(wanted)] if wanted else []
 
     def _plan_saves(self, plan: StepPlan, request: Request, num_new_tokens: int) -> None:
         if self.connector is None:
@@ -177,13 +174,19 @@ class Scheduler:
         return advanced
 
     def _roll_back_failed_loads(self, plan: StepPlan, result: StepResult) -> None:
-        """A block the store promised but did not deliver, and every block after it, is recomputed."""
+        """A block the store promised but did not deliver, and every block after it, is recomputed. With layer
+        groups a lost block can break any window, so the request starts over without the store."""
         for request_id, num_ok in result.kv_load_failures.items():
             num_lost_blocks = len(plan.kv_loads.get(request_id, ())) - num_ok
             if self.connector is not None:
                 self.connector.count_failed(num_lost_blocks)
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            if self.kv.layout.is_hybrid:
+                self.running.remove(request)
+                self._preempt(request)
+                request.use_kv_store, request.num_cached_tokens = False, 0
                 continue
             lost = num_lost_blocks * self.kv.block_size
             request.num_computed_tokens -= lost

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.config import EngineConfig
-from deepinfer.core.kv_manager import KVCacheManager
+from deepinfer.core.kv_layout import KVLayout, layout_from_specs
+from deepinfer.core.kv_manager import KVCacheManager, ReplayStats
 from deepinfer.core.request import Request
 from deepinfer.core.scheduler import Scheduler
 from deepinfer.engine.io import RequestState, new_sequence, record_step_metrics
@@ -18,6 +19,7 @@ from deepinfer.kvstore.block_transfer import KVBlockTransfer
 from deepinfer.kvstore.connector import KVStoreConnector, KVStoreConnectorStats, model_identity
 from deepinfer.engine.structured import StructuredOutputs
 from deepinfer.models.loader import iter_weights, load_model_files, load_tokenizer
+from deepinfer.ops import cpu_attention
 from deepinfer.outputs import RequestMetrics, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.models.registry import model_class
@@ -39,6 +41,8 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     kv_store: KVStoreConnectorStats | None = None  # None: no KV store configured
+    prefix_replay: ReplayStats | None = None  # sliding-window hybrids: hits shortened by dropped window KV
+    peak_kv_blocks: int = 0  # most blocks held by requests at once since start-up
 
 
 def default_kv_cache_memory() -> int:
@@ -62,6 +66,15 @@ def _mix_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
+def _max_tokens_fitting(layout: KVLayout, num_blocks: int, block_size: int, max_chunk: int) -> int:
+    """The longest single sequence the pool holds (sliding groups only keep their window plus one chunk)."""
+    low, high = 0, num_blocks * block_size
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if layout.blocks_for(mid, block_size, max_chunk) <= num_blocks else (low, mid - 1)
+    return low
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -80,28 +93,37 @@ class Engine:
         model = build_model(files.hf_config, iter_weights(files, TORCH_DTYPES[mc.dtype]), mc.dtype, mc.device, max_len,
                             batch_invariant=config.batch_invariant)
         dtype = TORCH_DTYPES[mc.dtype]
-        per_block = kv_bytes_per_block(model.kv_cache_specs(), cc.block_size, dtype)
+        layout = layout_from_specs(model.kv_cache_specs())
+        per_block = kv_bytes_per_block(model.kv_cache_specs(), cc.block_size, dtype, layout)
         budget = cc.kv_cache_memory or default_kv_cache_memory()
         num_blocks = budget // per_block
-        capacity = num_blocks * cc.block_size
+        chunk = config.scheduler.max_num_batched_tokens
+        capacity = _max_tokens_fitting(layout, num_blocks, cc.block_size, chunk)
         if capacity < max_len:
-            if mc.max_model_len is not None or num_blocks < 2:
+            if mc.max_model_len is not None or capacity < cc.block_size:
                 raise ValueError(
-                    f"KV cache of {budget} bytes holds {capacity} tokens, fewer than max_model_len={max_len}; "
-                    f"raise kv_cache_memory or lower max_model_len"
+                    f"KV cache of {budget} bytes holds {capacity} tokens of one sequence, fewer than "
+                    f"max_model_len={max_len}; raise kv_cache_memory or lower max_model_len"
                 )
             logger.warning("max_model_len lowered from %d to the KV capacity %d", max_len, capacity)
             max_len = capacity
         self.max_model_len = max_len
         self.num_blocks = num_blocks
         model_key = model_identity(files.path, files.hf_config, mc.dtype, config.batch_invariant)
-        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, model_key)
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, model_key, layout,
+                                 cc.swa_prefix_mode, cc.swa_keep_tokens)
+
         # ---- KV store (issue 5): the scheduler half asks it, the worker half loads and saves blocks
         self.kv_store = KVStoreConnector.open(config.kv_store, cc.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len, self.kv_store)
-        self.runner = ModelRunner(model, num_blocks, cc.block_size, dtype, mc.device, config.batch_invariant)
+        kernel = None
+        if config.cpu_kernels and mc.device == "cpu" and dtype == torch.float32 and not config.batch_invariant:
+            compiled = cpu_attention.load()  # built once per machine (about a minute), then cached by torch
+            kernel = compiled.paged_decode if compiled is not None else None
+        self.runner = ModelRunner(model, num_blocks, cc.block_size, dtype, mc.device, config.batch_invariant, layout,
+                                  kernel)
         if self.kv_store is not None:
-            self.runner.kv_transfer = KVBlockTransfer(self.kv_store.store, self.kv_store.saver, self.runner.kv_caches,
+            self.runner.kv_transfer = KVBlockTransfer(self.kv_store.store, self.kv_store.saver, self.runner.slot_caches,
                                                       num_blocks, cc.block_size)
             self._close_kv_store = weakref.finalize(self, self.kv_store.close)  # queued saves land even at exit
         # ---- end KV store
@@ -114,10 +136,21 @@ class Engine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         logger.info(
-            "loaded %s (%s, %s) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token); max_model_len %d",
+            "loaded %s (%s, %s) in %.1fs; KV cache: %d blocks x %d tokens x %d layers (%.1f MiB); one sequence fits "
+            "%d tokens; max_model_len %d",
             files.path, files.hf_config["architectures"][0], mc.dtype, time.perf_counter() - started,
-            num_blocks, cc.block_size, capacity, num_blocks * per_block / 2**20, per_block // cc.block_size, max_len,
+            num_blocks, cc.block_size, layout.layers_per_group, num_blocks * per_block / 2**20, capacity, max_len,
         )
+        if layout.is_hybrid:
+            swa = [g for g in layout.groups if g.sliding_window is not None]
+            window = max(g.sliding_window for g in swa)
+            logger.info(
+                "layer groups: %d full-attention + %d sliding-window (window %d): a running sequence holds "
+                "ceil(L/%d) blocks per full group and at most %d per sliding group; %d sequences of max_model_len "
+                "fit at once; prefix cache for sliding layers: %s, keep %d tokens",
+                len(layout.groups) - len(swa), len(swa), window, cc.block_size, -(-window // cc.block_size) + 1,
+                num_blocks // layout.blocks_for(max_len, cc.block_size, 1), cc.swa_prefix_mode, self.kv.keep_tokens,
+            )
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set()
@@ -248,6 +281,8 @@ class Engine:
                     self._children.pop(child_id, None)
                     self.structured.remove(child_id)
             outputs.append(state.to_output())
+        if self.scheduler.has_pending_saves() and not self.scheduler.has_unfinished():
+            self.runner.execute(self.scheduler.schedule())  # idle now: hand finished tails to the KV store
         return outputs
 
     def _advance_grammars(self, advanced, result) -> None:
@@ -290,4 +325,6 @@ class Engine:
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             kv_store=None if self.kv_store is None else self.kv_store.stats(),
+            prefix_replay=self.kv.replay_stats() if self.kv.layout.is_hybrid else None,
+            peak_kv_blocks=self.kv.pool.peak_in_use,
         )

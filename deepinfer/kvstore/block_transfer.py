@@ -58,9 +58,10 @@ class KVBlockTransfer:
             self._write(block_ids, bodies)
         return failures
 
-    def save(self, plan: StepPlan) -> None:
-        """Hands plan.kv_saves to the saver; call after the forward that filled them. Never blocks on the store."""
-        refs = [ref for refs in plan.kv_saves.values() for ref in refs]
+    def save(self, plan: StepPlan, first: bool = False) -> None:
+        """Hands plan.kv_saves to the saver after the forward that filled them, or plan.kv_saves_first (`first`)
+        before the forward. Never blocks on the store."""
+        refs = [ref for refs in (plan.kv_saves_first if first else plan.kv_saves).values() for ref in refs]
         if not refs:
             return
         rows = self._read([ref.block_id for ref in refs])

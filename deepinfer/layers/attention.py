@@ -37,7 +37,7 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv] -> [T, H * Dv]."""
         ctx = get_forward_context()
-        md = ctx.attn
+        md = ctx.attn_for(self.cache_index)
         k_cache, v_cache = ctx.kv_caches[self.cache_index]
         k_cache.index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
@@ -47,19 +47,34 @@ class Attention(nn.Module):
             return paged_attention(self, q, k_cache, v_cache, md).reshape(q.shape[0], -1)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
         nd = md.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, md.decode_block_tables, md.decode_context_lens, md.block_size)
+        if nd and ctx.decode_kernel is not None and self.head_dim == self.v_head_dim in (64, 128, 256) \
+                and q.dtype == k_cache.dtype == torch.float32:
+            out[:nd] = ctx.decode_kernel(q[:nd].contiguous(), k_cache, v_cache, md.decode_block_tables,
+                                         md.decode_context_lens, md.block_size, self.scale, self.sliding_window or -1)
+            nd = 0
+        for start, end, width in md.decode_buckets or ((0, nd, None),) if nd else ():
+            tables = md.decode_block_tables[start:end, :width]
+            out[start:end] = self._decode(q[start:end], k_cache, v_cache, tables, md.decode_context_lens[start:end],
+                                          md.block_size)
         for seq in md.prefills:
             rows = slice(seq.start, seq.start + seq.num_tokens)
+            first = 0  # first key position any of these queries sees
+            if self.sliding_window is not None:
+                first = max(0, seq.context_len - seq.num_tokens - self.sliding_window + 1)
             if seq.context_len == seq.num_tokens:  # nothing cached: attend over the fresh K/V directly
                 keys, values = k[rows], v[rows]
+                first = 0
             else:
-                slots = context_slots(seq.block_table, seq.context_len, md.block_size)
+                slots = context_slots(seq.block_table, seq.context_len, md.block_size, first)
                 keys, values = k_cache[slots], v_cache[slots]
-            out[rows] = self._prefill(q[rows], keys, values, seq.context_len)
+            out[rows] = self._prefill(q[rows], keys, values, seq.context_len, first)
         return out.reshape(q.shape[0], -1)
 
     def _decode(self, q, k_cache, v_cache, block_tables, context_lens, block_size):
+        if self.sliding_window is not None:  # skip the leading blocks no row's window reaches
+            skip = max(0, int(context_lens.min()) - self.sliding_window) // block_size
+            if skip:
+                block_tables, context_lens = block_tables[:, skip:], context_lens - skip * block_size
         n, max_blocks = block_tables.shape
         length = max_blocks * block_size
         keys = _gather_blocks(k_cache, block_tables, block_size).view(n, length, self.num_kv_heads, -1)
@@ -75,10 +90,11 @@ class Attention(nn.Module):
         )
         return out.squeeze(2)
 
-    def _prefill(self, q, keys, values, context_len):
+    def _prefill(self, q, keys, values, context_len, first_key=0):
+        """Queries at the last q.shape[0] positions of context_len; keys at positions first_key..context_len-1."""
         t = q.shape[0]
         q_pos = torch.arange(context_len - t, context_len, device=q.device)[:, None]
-        k_pos = torch.arange(context_len, device=q.device)[None, :]
+        k_pos = torch.arange(first_key, context_len, device=q.device)[None, :]
         visible = k_pos <= q_pos
         if self.sliding_window is not None:
             visible &= k_pos > q_pos - self.sliding_window
@@ -91,9 +107,9 @@ class Attention(nn.Module):
         return out.squeeze(0).transpose(0, 1)
 
 
-def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """Flat cache slots of positions 0..length-1 of a sequence."""
-    pos = torch.arange(length, device=block_table.device)
+def context_slots(block_table: torch.Tensor, length: int, block_size: int, first: int = 0) -> torch.Tensor:
+    """Flat cache slots of positions first..length-1 of a sequence."""
+    pos = torch.arange(first, length, device=block_table.device)
     return block_table[pos // block_size] * block_size + pos % block_size
 
 

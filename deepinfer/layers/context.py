@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -27,6 +27,9 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # int64 [num_decodes]
     prefills: list[PrefillSeq] = field(default_factory=list)
     block_size: int = 16
+    # decode rows cut into runs of similar length (start row, end row, blocks), so short rows are not padded to
+    # the longest one; None: one run of all decodes
+    decode_buckets: list[tuple[int, int, int]] | None = None
 
 
 @dataclass
@@ -35,6 +38,13 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per attention layer: K and V, [num_slots, kv_heads, head_dim]
     positions: torch.Tensor  # int64 [T]
     batch_invariant: bool = False  # attention must use a reduction order fixed by the request's own data
+    # layer groups (sliding-window hybrids): per attention layer, its group's metadata; None: `attn` for all
+    layer_attn: list[AttentionMetadata] | None = None
+    # compiled paged decode (ops/cpu_attention.py): (q, k_cache, v_cache, tables, lens, block_size, scale, window)
+    decode_kernel: Callable | None = None
+
+    def attn_for(self, layer: int) -> AttentionMetadata:
+        return self.attn if self.layer_attn is None else self.layer_attn[layer]
 
 
 _CURRENT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("deepinfer_forward_context", default=None)

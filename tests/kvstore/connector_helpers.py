@@ -51,9 +51,9 @@ class TinyEngine:
         for rid in plan.finished_ids + plan.preempted_ids:
             self.tables.pop(rid, None)
         for new in plan.new_requests:
-            self.tables[new.request_id] = list(new.block_ids)
+            self.tables[new.request_id] = list(new.block_ids[0])
         for cached in plan.cached_requests:
-            self.tables[cached.request_id].extend(cached.new_block_ids)
+            self.tables[cached.request_id].extend(cached.new_block_ids[0])
         result = StepResult()
         work = plan
         if plan.kv_loads:

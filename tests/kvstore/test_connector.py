@@ -60,7 +60,7 @@ def test_fresh_engine_loads_store_blocks_and_computes_only_the_rest() -> None:
     engine.add("b", PROMPT)
     engine.step()
     plan = engine.plans[0]
-    assert [ref.block_id for ref in plan.kv_loads["b"]] == plan.new_requests[0].block_ids[:5]
+    assert [ref.block_id for ref in plan.kv_loads["b"]] == plan.new_requests[0].block_ids[0][:5]
     assert plan.new_requests[0].num_computed_tokens == 5 * BS and plan.num_tokens["b"] == len(PROMPT) - 5 * BS
     engine.run()  # the worker checked every loaded position's KV before computing the rest
     request_out = engine.results[0].sampled["b"]

@@ -1,0 +1,45 @@
+"""The compiled paged-decode kernel against the torch path (gather + SDPA) on random paged caches: full attention
+and sliding windows, head dims 64/128/256, grouped query heads, ragged lengths, shuffled block tables."""
+import pytest
+import torch
+
+from deepinfer.layers.attention import Attention
+from deepinfer.ops.cpu_attention import load
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    compiled = load()
+    if compiled is None:
+        pytest.skip("the CPU kernel could not be built here (no compiler or ninja); the torch path is used")
+    return compiled.paged_decode
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, None), (4, 1, 256, 40), (8, 8, 128, None),
+                                                        (6, 2, 64, 17)])
+def test_kernel_matches_the_torch_path(kernel, heads, kv_heads, dim, window):
+    gen = torch.Generator().manual_seed(heads * dim)
+    num_blocks = 128
+    k = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen)
+    v = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen)
+    lens = torch.tensor([1, 15, 16, 17, 100, 33, 250], dtype=torch.int64)
+    width = int((lens.max() + BS - 1) // BS)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width).contiguous()
+    q = torch.randn(len(lens), heads, dim, generator=gen)
+    layer = Attention(heads, kv_heads, dim, dim**-0.5, 0, sliding_window=window)
+    want = layer._decode(q, k, v, tables, lens, BS)
+    got = kernel(q, k, v, tables, lens, BS, dim**-0.5, window or -1)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_kernel_refuses_what_it_does_not_handle(kernel):
+    q = torch.randn(1, 2, 64, dtype=torch.bfloat16)
+    k = torch.randn(16, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        kernel(q, k, k, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), BS, 0.1, -1)
+    q, k = q.float(), torch.randn(16, 2, 48)
+    with pytest.raises(RuntimeError, match="head dims"):
+        kernel(torch.randn(1, 2, 48), k, k, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64),
+               BS, 0.1, -1)
