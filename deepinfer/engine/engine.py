@@ -116,12 +116,11 @@ class Engine:
         # ---- KV store (issue 5): the scheduler half asks it, the worker half loads and saves blocks
         self.kv_store = KVStoreConnector.open(config.kv_store, cc.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len, self.kv_store)
-        kernel = None
-        if config.cpu_kernels and mc.device == "cpu" and dtype == torch.float32 and not config.batch_invariant:
-            compiled = cpu_attention.load()  # built once per machine (about a minute), then cached by torch
-            kernel = compiled.paged_decode if compiled is not None else None
+        kernels = None
+        if config.cpu_kernels and mc.device == "cpu" and dtype == torch.float32:
+            kernels = cpu_attention.load()  # built once per machine (about a minute), then cached by torch
         self.runner = ModelRunner(model, num_blocks, cc.block_size, dtype, mc.device, config.batch_invariant, layout,
-                                  kernel)
+                                  kernels)
         if self.kv_store is not None:
             self.runner.kv_transfer = KVBlockTransfer(self.kv_store.store, self.kv_store.saver, self.runner.slot_caches,
                                                       num_blocks, cc.block_size)

@@ -41,16 +41,16 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv_caches[self.cache_index]
         k_cache.index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
+        kernels = ctx.cpu_kernels if self.head_dim == self.v_head_dim in (64, 128, 256) \
+            and q.dtype == k_cache.dtype == torch.float32 else None
         if ctx.batch_invariant:
-            from deepinfer.ops.batch_invariant import paged_attention
-
-            return paged_attention(self, q, k_cache, v_cache, md).reshape(q.shape[0], -1)
+            return self._batch_invariant(q, k_cache, v_cache, md, kernels).reshape(q.shape[0], -1)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
         nd = md.num_decodes
-        if nd and ctx.decode_kernel is not None and self.head_dim == self.v_head_dim in (64, 128, 256) \
-                and q.dtype == k_cache.dtype == torch.float32:
-            out[:nd] = ctx.decode_kernel(q[:nd].contiguous(), k_cache, v_cache, md.decode_block_tables,
-                                         md.decode_context_lens, md.block_size, self.scale, self.sliding_window or -1)
+        if nd and kernels is not None:
+            out[:nd] = kernels.paged_decode(q[:nd].contiguous(), k_cache, v_cache, md.decode_block_tables,
+                                            md.decode_context_lens, md.block_size, self.scale,
+                                            self.sliding_window or -1)
             nd = 0
         for start, end, width in md.decode_buckets or ((0, nd, None),) if nd else ():
             tables = md.decode_block_tables[start:end, :width]
@@ -69,6 +69,26 @@ class Attention(nn.Module):
                 keys, values = k_cache[slots], v_cache[slots]
             out[rows] = self._prefill(q[rows], keys, values, seq.context_len, first)
         return out.reshape(q.shape[0], -1)
+
+    def _batch_invariant(self, q, k_cache, v_cache, md, kernels) -> torch.Tensor:
+        """Every token's result from its own data only. With the compiled kernels, decode rows and each prefill
+        query run the same per-query code (ops/cpu_attention.py); otherwise ops/batch_invariant.py's fixed split."""
+        if kernels is None:
+            from deepinfer.ops.batch_invariant import paged_attention
+
+            return paged_attention(self, q, k_cache, v_cache, md)
+        q = q.contiguous()
+        out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
+        window = self.sliding_window or -1
+        nd = md.num_decodes
+        if nd:
+            out[:nd] = kernels.paged_decode(q[:nd], k_cache, v_cache, md.decode_block_tables, md.decode_context_lens,
+                                            md.block_size, self.scale, window)
+        for seq in md.prefills:
+            rows = slice(seq.start, seq.start + seq.num_tokens)
+            out[rows] = kernels.paged_prefill(q[rows], k_cache, v_cache, seq.block_table,
+                                              seq.context_len - seq.num_tokens, md.block_size, self.scale, window)
+        return out
 
     def _decode(self, q, k_cache, v_cache, block_tables, context_lens, block_size):
         if self.sliding_window is not None:  # skip the leading blocks no row's window reaches

@@ -4,7 +4,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from types import ModuleType
+from typing import Iterator
 
 import torch
 
@@ -40,8 +41,8 @@ class ForwardContext:
     batch_invariant: bool = False  # attention must use a reduction order fixed by the request's own data
     # layer groups (sliding-window hybrids): per attention layer, its group's metadata; None: `attn` for all
     layer_attn: list[AttentionMetadata] | None = None
-    # compiled paged decode (ops/cpu_attention.py): (q, k_cache, v_cache, tables, lens, block_size, scale, window)
-    decode_kernel: Callable | None = None
+    # the compiled CPU attention kernels (ops/cpu_attention.py: paged_decode, paged_prefill); None: torch ops
+    cpu_kernels: ModuleType | None = None
 
     def attn_for(self, layer: int) -> AttentionMetadata:
         return self.attn if self.layer_attn is None else self.layer_attn[layer]

@@ -1,11 +1,13 @@
-"""A paged decode-attention kernel for the CPU: one pass over each sequence's cached K/V, straight from its blocks.
+"""Paged attention kernels for the CPU: one pass over each sequence's cached K/V, straight from its blocks.
 
 The torch path gathers every decode row's blocks into a padded copy and then runs SDPA over it: at long contexts
-and large batches that moves the KV cache three to four times per step. This kernel reads each cached key and
-value once: per (sequence, KV head) it scores the G query heads that share the KV head against one block of keys,
-rescales a running max / sum / weighted value sum (online softmax, one rescale per block), and writes
-acc / sum. float32 only; sliding windows start at max(0, len - W). Built once with torch's cpp_extension (g++,
-ninja) into torch's extension cache; if that fails the engine logs why and keeps the torch path.
+and large batches that moves the KV cache three to four times per step. `paged_decode` reads each cached key and
+value once: per (query, KV head) it scores the G query heads that share the KV head against one block segment of
+keys, rescales a running max / sum / weighted value sum (online softmax, one rescale per segment), and writes
+acc / sum; sliding windows start at max(0, len - W). `paged_prefill` runs the same per-query computation for each
+token of a prefill chunk (one compiled copy of the segment step, no FMA contraction), so a token gets the same bits
+from either path: the batch-invariant mode's attention. float32 only. Built once per machine with torch's
+cpp_extension (g++, ninja) into torch's extension cache; if that fails the engine logs why and keeps the torch path.
 """
 from __future__ import annotations
 
@@ -22,7 +24,54 @@ _SOURCE = r"""
 #include <cmath>
 #include <vector>
 
-// One (sequence, KV head) item: G query heads against the keys first..len-1 of one sequence.
+// One segment (count <= block_size consecutive keys of one block) for the G query heads of one (query, KV head):
+// the online-softmax update. noinline: decode and prefill run this very machine code in the same order of segments,
+// so a token's result does not depend on which path computed it (batch-invariant mode relies on it).
+template <int DIM>
+__attribute__((noinline)) static void block_step(const float* __restrict__ qh, const float* __restrict__ kb,
+                                                 const float* __restrict__ vb, int64_t count, int64_t stride,
+                                                 int64_t group, int64_t block_size, float scale,
+                                                 float* __restrict__ scores, float* __restrict__ acc,
+                                                 float* __restrict__ row_max, float* __restrict__ row_sum) {
+  for (int64_t i = 0; i < count; ++i) {  // each key read once, scored for the G query heads sharing it
+    const float* __restrict__ k = kb + i * stride;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* __restrict__ qg = qh + g * DIM;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int d = 0; d < DIM; ++d) dot += qg[d] * k[d];
+      scores[g * block_size + i] = dot * scale;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {  // one rescale per segment
+    float* __restrict__ sg = scores + g * block_size;
+    float block_max = -INFINITY;
+    for (int64_t i = 0; i < count; ++i) block_max = std::max(block_max, sg[i]);
+    const float new_max = std::max(row_max[g], block_max);
+    const float rescale = std::exp(row_max[g] - new_max);
+    row_max[g] = new_max;
+    float sum = 0.f;
+    for (int64_t i = 0; i < count; ++i) {
+      sg[i] = std::exp(sg[i] - new_max);
+      sum += sg[i];
+    }
+    row_sum[g] = row_sum[g] * rescale + sum;
+    float* __restrict__ a = acc + g * DIM;
+#pragma omp simd
+    for (int d = 0; d < DIM; ++d) a[d] *= rescale;
+  }
+  for (int64_t i = 0; i < count; ++i) {  // each value read once
+    const float* __restrict__ v = vb + i * stride;
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * block_size + i];
+      float* __restrict__ a = acc + g * DIM;
+#pragma omp simd
+      for (int d = 0; d < DIM; ++d) a[d] += p * v[d];
+    }
+  }
+}
+
+// One (query, KV head) item: G query heads against the keys first..len-1 of one sequence, segment by segment.
 template <int DIM>
 static void attend(const float* __restrict__ qh, const float* __restrict__ kp, const float* __restrict__ vp,
                    const int64_t* __restrict__ table, int64_t first, int64_t len, int64_t block_size,
@@ -33,68 +82,25 @@ static void attend(const float* __restrict__ qh, const float* __restrict__ kp, c
   for (int64_t g = 0; g < group; ++g) { row_max[g] = -INFINITY; row_sum[g] = 0.f; }
   for (int64_t i = 0; i < group * DIM; ++i) acc[i] = 0.f;
   for (int64_t start = first; start < len;) {
-    const int64_t block = start / block_size, stop = std::min(len, (block + 1) * block_size), count = stop - start;
+    const int64_t block = start / block_size, stop = std::min(len, (block + 1) * block_size);
     const int64_t row0 = (table[block] * block_size + start - block * block_size) * kv_heads + h;
-    const float* __restrict__ kb = kp + row0 * DIM;
-    const float* __restrict__ vb = vp + row0 * DIM;
-    for (int64_t i = 0; i < count; ++i) {  // each key read once, scored for the G query heads sharing it
-      const float* __restrict__ k = kb + i * stride;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* __restrict__ qg = qh + g * DIM;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < DIM; ++d) dot += qg[d] * k[d];
-        scores[g * block_size + i] = dot * scale;
-      }
-    }
-    for (int64_t g = 0; g < group; ++g) {  // one rescale per block
-      float* __restrict__ sg = scores + g * block_size;
-      float block_max = -INFINITY;
-      for (int64_t i = 0; i < count; ++i) block_max = std::max(block_max, sg[i]);
-      const float new_max = std::max(row_max[g], block_max);
-      const float rescale = std::exp(row_max[g] - new_max);
-      row_max[g] = new_max;
-      float sum = 0.f;
-      for (int64_t i = 0; i < count; ++i) {
-        sg[i] = std::exp(sg[i] - new_max);
-        sum += sg[i];
-      }
-      row_sum[g] = row_sum[g] * rescale + sum;
-      float* __restrict__ a = acc + g * DIM;
-#pragma omp simd
-      for (int d = 0; d < DIM; ++d) a[d] *= rescale;
-    }
-    for (int64_t i = 0; i < count; ++i) {  // each value read once
-      const float* __restrict__ v = vb + i * stride;
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[g * block_size + i];
-        float* __restrict__ a = acc + g * DIM;
-#pragma omp simd
-        for (int d = 0; d < DIM; ++d) a[d] += p * v[d];
-      }
-    }
+    block_step<DIM>(qh, kp + row0 * DIM, vp + row0 * DIM, stop - start, stride, group, block_size, scale, scores,
+                    acc, row_max, row_sum);
     start = stop;
   }
   for (int64_t g = 0; g < group; ++g)
     for (int d = 0; d < DIM; ++d) out[g * DIM + d] = acc[g * DIM + d] / row_sum[g];
 }
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                           torch::Tensor lens, int64_t block_size, double scale, int64_t window) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-              v_cache.scalar_type() == torch::kFloat, "paged_decode: float32 only");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && tables.is_contiguous() &&
-              lens.is_contiguous(), "paged_decode: contiguous tensors only");
+// Runs attend over rows: row r is a query at position lens[r] - 1 with block table tables[r * width ...].
+static void run_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, const int64_t* tp,
+                     int64_t width, const int64_t* lp, int64_t block_size, double scale, int64_t window,
+                     torch::Tensor out) {
   const int64_t n_rows = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = k_cache.size(1), width = tables.size(1), group = heads / kv_heads;
-  TORCH_CHECK(v_cache.size(2) == dim && (dim == 64 || dim == 128 || dim == 256),
-              "paged_decode: head dims 64, 128 or 256 with equal K and V dims");
-  auto out = torch::empty({n_rows, heads, dim}, q.options());
+  const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads;
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, n_rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -113,10 +119,47 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       else run(attend<256>);
     }
   });
+}
+
+static void check(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
+              v_cache.scalar_type() == torch::kFloat, "paged attention kernel: float32 only");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged attention kernel: contiguous tensors only");
+  const int64_t dim = q.size(2);
+  TORCH_CHECK(v_cache.size(2) == dim && k_cache.size(2) == dim && (dim == 64 || dim == 128 || dim == 256),
+              "paged attention kernel: head dims 64, 128 or 256 with equal K and V dims");
+}
+
+// Decode: row n is one query at position lens[n] - 1 with its own block table.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                           torch::Tensor lens, int64_t block_size, double scale, int64_t window) {
+  check(q, k_cache, v_cache);
+  tables = tables.contiguous();
+  lens = lens.contiguous();
+  auto out = torch::empty_like(q);
+  run_rows(q, k_cache, v_cache, tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(), block_size,
+           scale, window, out);
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode, "paged decode attention (CPU)"); }
+// Prefill: T consecutive queries of one sequence at positions first_position..first_position+T-1, one block table;
+// each query runs exactly the decode computation for its own position.
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
+                            int64_t first_position, int64_t block_size, double scale, int64_t window) {
+  check(q, k_cache, v_cache);
+  table = table.contiguous();
+  auto lens = torch::arange(first_position + 1, first_position + q.size(0) + 1, table.options());
+  auto out = torch::empty_like(q);
+  run_rows(q, k_cache, v_cache, table.data_ptr<int64_t>(), 0, lens.data_ptr<int64_t>(), block_size, scale, window,
+           out);
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("paged_prefill", &paged_prefill, "paged attention of consecutive queries of one sequence (CPU)");
+}
 """
 
 
@@ -129,9 +172,9 @@ def load() -> ModuleType | None:
 
         # -march=native: the build is per instruction set, so its name says which (a shared cache stays safe)
         return load_inline(
-            name=f"deepinfer_cpu_attention_v3_{torch.backends.cpu.get_cpu_capability().lower()}",
+            name=f"deepinfer_cpu_attention_v4_{torch.backends.cpu.get_cpu_capability().lower()}",
             cpp_sources=[_SOURCE],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

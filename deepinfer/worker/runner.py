@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -57,10 +58,10 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
                  batch_invariant: bool = False, layout: KVLayout | None = None,
-                 decode_kernel: Callable | None = None) -> None:
+                 cpu_kernels: ModuleType | None = None) -> None:
         self.model = model
         self.batch_invariant = batch_invariant
-        self.decode_kernel = decode_kernel  # None: torch ops (batch-invariant mode has its own kernels)
+        self.cpu_kernels = cpu_kernels  # compiled attention (ops/cpu_attention.py); None: torch ops
         self.block_size = block_size
         self.device = torch.device(device)
         specs = model.kv_cache_specs()
@@ -145,7 +146,7 @@ class ModelRunner:
         layer_attn = [group_md[g] for g, _ in self._placement] if len(group_md) > 1 else None
         ctx = ForwardContext(attn=group_md[0], kv_caches=self.kv_caches, positions=positions_t,
                              batch_invariant=self.batch_invariant, layer_attn=layer_attn,
-                             decode_kernel=self.decode_kernel)
+                             cpu_kernels=self.cpu_kernels)
         with forward_context(ctx):
             hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=self.device), positions_t)
         pop_counts = getattr(self.model, "pop_expert_counts", None)

@@ -10,11 +10,16 @@ BS = 16
 
 
 @pytest.fixture(scope="module")
-def kernel():
+def kernels():
     compiled = load()
     if compiled is None:
         pytest.skip("the CPU kernel could not be built here (no compiler or ninja); the torch path is used")
-    return compiled.paged_decode
+    return compiled
+
+
+@pytest.fixture(scope="module")
+def kernel(kernels):
+    return kernels.paged_decode
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, None), (4, 1, 256, 40), (8, 8, 128, None),
@@ -43,3 +48,24 @@ def test_kernel_refuses_what_it_does_not_handle(kernel):
     with pytest.raises(RuntimeError, match="head dims"):
         kernel(torch.randn(1, 2, 48), k, k, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64),
                BS, 0.1, -1)
+
+
+@pytest.mark.parametrize("window", [None, 21])
+def test_prefill_queries_give_the_decode_bits_of_their_position(kernels, window):
+    """Batch-invariant mode relies on it: query t of a prefill chunk equals, bit for bit, a decode at its position,
+    whatever chunk it came in."""
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim, num_blocks = 6, 2, 64, 16
+    k = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen)
+    v = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen)
+    table = torch.randperm(num_blocks, generator=gen)
+    q = torch.randn(70, heads, dim, generator=gen)
+    scale, w = dim**-0.5, window or -1
+    decodes = torch.stack([kernels.paged_decode(q[t : t + 1], k, v, table[None], torch.tensor([t + 1]), BS, scale, w)[0]
+                           for t in range(70)])
+    for chunks in ([70], [1, 69], [16, 16, 38], [5, 40, 25]):
+        start, got = 0, []
+        for n in chunks:
+            got.append(kernels.paged_prefill(q[start : start + n], k, v, table, start, BS, scale, w))
+            start += n
+        assert torch.equal(torch.cat(got), decodes), chunks
