@@ -85,6 +85,7 @@ def run_mode(args: argparse.Namespace, mode: str, user_turns: list[list[list[int
         mode=mode, turns=turns, answers=answers,
         peak_kv_mib=stats.peak_kv_blocks * per_block / 2**20,
         cached_blocks_at_end=engine.kv.pool.stats().num_cached,
+        cached_kv_mib_at_end=engine.kv.pool.stats().num_cached * per_block / 2**20,
         keep_tokens=engine.kv.keep_tokens,
         replay=dict(hits=stats.prefix_replay.hits, tokens=stats.prefix_replay.replayed_tokens,
                     max=stats.prefix_replay.max_replayed_tokens),
@@ -116,8 +117,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{t['replayed_tokens']:>8} {t['ttft_median_s']:>10.3f} {off / t['ttft_median_s']:>5.1f}x")
     for mode in MODES:
         r = results[mode]
-        print(f"{mode:<8} peak KV {r['peak_kv_mib']:.1f} MiB, blocks cached at end {r['cached_blocks_at_end']}, "
-              f"replay {r['replay']}")
+        print(f"{mode:<8} peak KV held by requests {r['peak_kv_mib']:.1f} MiB; prefix cache at the end "
+              f"{r['cached_blocks_at_end']} blocks = {r['cached_kv_mib_at_end']:.1f} MiB; replay {r['replay']}")
     print(f"greedy answers identical in every mode: {same}")
     for r in results.values():
         r.pop("answers")
