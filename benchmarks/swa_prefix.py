@@ -52,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_mode(args: argparse.Namespace, mode: str, user_turns: list[list[list[int]]]) -> dict[str, Any]:
     from deepinfer import SamplingParams
     from deepinfer.llm import LLM
+    from deepinfer.worker.runner import kv_bytes_per_block
 
     llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory, num_threads=args.threads, **MODES[mode])
     engine = llm.engine
@@ -79,8 +80,9 @@ def run_mode(args: argparse.Namespace, mode: str, user_turns: list[list[list[int
             wall_s=wall,
         ))
     stats = engine.stats()
-    per_block = engine.runner.slot_caches[0][0][: engine.kv.block_size].numel() * 2 * len(engine.runner.slot_caches) \
-        * engine.runner.slot_caches[0][0].element_size()
+    runner = engine.runner
+    per_block = kv_bytes_per_block(runner.model.kv_cache_specs(), engine.kv.block_size,
+                                   runner.slot_caches[0][0].dtype, runner.layout)
     result = dict(
         mode=mode, turns=turns, answers=answers,
         peak_kv_mib=stats.peak_kv_blocks * per_block / 2**20,

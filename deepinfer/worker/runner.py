@@ -141,7 +141,9 @@ class ModelRunner:
 
         pos = np.concatenate(positions)
         positions_t = torch.from_numpy(pos).to(self.device)
-        group_md = [self._metadata([t[g] for t in tables], positions, spans, num_decodes, pos)
+        # every group's table has the same length per request: one cut into length runs serves them all
+        buckets = decode_buckets([len(t[0]) for t in tables[:num_decodes]]) if num_decodes else None
+        group_md = [self._metadata([t[g] for t in tables], positions, spans, num_decodes, pos, buckets)
                     for g in range(len(self.layout.groups))]
         layer_attn = [group_md[g] for g, _ in self._placement] if len(group_md) > 1 else None
         ctx = ForwardContext(attn=group_md[0], kv_caches=self.kv_caches, positions=positions_t,
@@ -187,13 +189,14 @@ class ModelRunner:
         return result
 
     def _metadata(self, tables: list[list[int]], positions: list[np.ndarray], spans: list[tuple[int, int, int]],
-                  num_decodes: int, pos: np.ndarray) -> AttentionMetadata:
+                  num_decodes: int, pos: np.ndarray, buckets: list[tuple[int, int, int]] | None
+                  ) -> AttentionMetadata:
         """One layer group's attention metadata: cache slots of this step's tokens, decode tables, prefills."""
         bs = self.block_size
         slots = np.empty_like(pos)
         for table, p, (row, n, _) in zip(tables, positions, spans):
             slots[row : row + n] = np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs
-        decode_tables = decode_lens = buckets = None
+        decode_tables = decode_lens = None
         if num_decodes:
             width = max(len(t) for t in tables[:num_decodes])
             padded = np.zeros((num_decodes, width), dtype=np.int64)
@@ -201,7 +204,6 @@ class ModelRunner:
                 padded[i, : len(t)] = t
             decode_tables = torch.from_numpy(padded).to(self.device)
             decode_lens = torch.from_numpy(pos[:num_decodes] + 1).to(self.device)
-            buckets = decode_buckets([len(t) for t in tables[:num_decodes]])
         prefills = [PrefillSeq(row, n, end, torch.tensor(table, dtype=torch.int64))
                     for table, (row, n, end) in zip(tables[num_decodes:], spans[num_decodes:])]
         return AttentionMetadata(

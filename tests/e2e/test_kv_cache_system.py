@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -136,22 +135,6 @@ def test_disk_faults_are_recomputed_and_counted(reference, restarted, monkeypatc
     assert all(store.get(k) is not None for k in bad_keys)  # the bad files were replaced by recomputed blocks
 
 
-@pytest.fixture
-def redis_url(tmp_path: Path):
-    from tests.kvstore.conftest import RedisServer
-
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server binary not found (apt-get install redis-server)")
-    pytest.importorskip("redis", reason="the redis Python client is not installed")
-    server = RedisServer(binary, tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def unwritable_dir(tmp_path: Path) -> str:
     """A read-only directory; as root, where permissions do not bind, a path below a regular file."""
     if os.geteuid() != 0:
@@ -164,8 +147,8 @@ def unwritable_dir(tmp_path: Path) -> str:
     return str(blocker / "kv")
 
 
-def test_redis_tier_behind_an_unwritable_disk_and_redis_stopping_mid_run(reference, redis_url, tmp_path, monkeypatch):
-    llm = LLM(kv_store="disk,redis", kv_store_path=unwritable_dir(tmp_path), kv_store_url=redis_url.url, **KV)
+def test_redis_tier_behind_an_unwritable_disk_and_redis_stopping_mid_run(reference, redis_server, tmp_path, monkeypatch):
+    llm = LLM(kv_store="disk,redis", kv_store_path=unwritable_dir(tmp_path), kv_store_url=redis_server.url, **KV)
     try:
         assert tokens(generate(llm)) == reference
         assert llm.engine.kv_store.flush(timeout=30)
@@ -177,7 +160,7 @@ def test_redis_tier_behind_an_unwritable_disk_and_redis_stopping_mid_run(referen
         load = llm.engine.runner.kv_transfer.load
 
         def stop_redis_then_load(plan):
-            redis_url.stop()
+            redis_server.stop()
             return load(plan)
 
         monkeypatch.setattr(llm.engine.runner.kv_transfer, "load", stop_redis_then_load)

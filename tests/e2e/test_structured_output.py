@@ -16,21 +16,12 @@ from deepinfer import SamplingParams  # noqa: E402
 from deepinfer.llm import LLM  # noqa: E402
 
 from tests.e2e.compare import assert_greedy_close  # noqa: E402
-from tests.sample.json_schemas import SUPPORTED  # noqa: E402
+from tests.sample.json_schemas import CODE_REGEX, ORDER_SCHEMA, SUPPORTED, YES_NO_EBNF  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 FORMAT_CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER
-REGEX = "[A-Z]{2}-[0-9]{3}"
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "color": {"enum": ["red", "green", "blue"]},
-        "quantity": {"type": "integer", "minimum": 1, "maximum": 100},
-    },
-    "required": ["color", "quantity"],
-}
-EBNF = 'root ::= "answer=" ("yes" | "no")'
+REGEX, SCHEMA, EBNF = CODE_REGEX, ORDER_SCHEMA, YES_NO_EBNF
 
 
 def _validates(schema):

@@ -9,6 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
+# the small grammars the sampler, engine and server tests share: a JSON object, a regex, an EBNF
+ORDER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "quantity": {"type": "integer", "minimum": 1, "maximum": 100},
+    },
+    "required": ["color", "quantity"],
+}
+CODE_REGEX = "[A-Z]{2}-[0-9]{3}"
+YES_NO_EBNF = 'root ::= "answer=" ("yes" | "no")'
+
 _ITEM = {
     "type": "object",
     "properties": {

