@@ -80,7 +80,7 @@ def run_mode(args: argparse.Namespace, mode: str, user_turns: list[list[list[int
             wall_s=wall,
         ))
     stats = engine.stats()
-    runner = engine.runner
+    runner = engine.executor.runner
     per_block = kv_bytes_per_block(runner.model.kv_cache_specs(), engine.kv.block_size,
                                    runner.slot_caches[0][0].dtype, runner.layout)
     result = dict(

@@ -11,10 +11,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from deepinfer.models.base import KVCacheSpec
 
 NULL_BLOCK = -1  # a sliding-window table entry whose block was dropped (outside the window, or never loaded)
 SWA_MODES = ("compact", "full")
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Per attention layer: what one token stores. `sliding_window` None means full attention."""
+
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class StepPlan:
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     num_tokens: dict[str, int] = field(default_factory=dict)  # tokens each request computes this step
+    sample_ids: list[str] = field(default_factory=list)  # requests whose step reaches their last token: they sample
     finished_ids: list[str] = field(default_factory=list)  # the worker drops their state
     preempted_ids: list[str] = field(default_factory=list)
     # structured output: allowed-token masks (bool [V]) for constrained requests that sample this step,
@@ -69,6 +70,7 @@ class StepPlan:
         return dataclasses.replace(
             self,
             num_tokens={r: n for r, n in self.num_tokens.items() if r not in drop},
+            sample_ids=[r for r in self.sample_ids if r not in drop],
             kv_loads={r: v for r, v in self.kv_loads.items() if r not in drop},
             kv_saves={r: v for r, v in self.kv_saves.items() if r not in drop},
         )

@@ -85,8 +85,7 @@ class Scheduler:
                 plan.cached_requests.append(
                     CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
                 )
-                plan.num_tokens[request.request_id] = n
-                self._plan_saves(plan, request, n)
+                self._plan_tokens(plan, request, n)
                 budget -= n
                 i += 1
         if not plan.preempted_ids:
@@ -131,10 +130,15 @@ class Scheduler:
                     eos_token_ids=request.eos_token_ids,
                 )
             )
-            plan.num_tokens[request.request_id] = n
-            self._plan_saves(plan, request, n)
+            self._plan_tokens(plan, request, n)
             budget -= n
         return budget
+
+    def _plan_tokens(self, plan: StepPlan, request: Request, n: int) -> None:
+        plan.num_tokens[request.request_id] = n
+        if request.num_computed_tokens + n == request.num_tokens:
+            plan.sample_ids.append(request.request_id)
+        self._plan_saves(plan, request, n)
 
     def _plan_saves(self, plan: StepPlan, request: Request, num_new_tokens: int) -> None:
         if self.connector is None:

@@ -15,16 +15,15 @@ from deepinfer.core.kv_manager import KVCacheManager, ReplayStats
 from deepinfer.core.request import Request
 from deepinfer.core.scheduler import Scheduler
 from deepinfer.engine.io import RequestState, new_sequence, record_step_metrics
-from deepinfer.kvstore.block_transfer import KVBlockTransfer
 from deepinfer.kvstore.connector import KVStoreConnector, KVStoreConnectorStats, model_identity
 from deepinfer.engine.structured import StructuredOutputs
-from deepinfer.models.loader import iter_weights, load_model_files, load_tokenizer
-from deepinfer.ops import cpu_attention
+from deepinfer.models.loader import load_model_files, load_tokenizer
 from deepinfer.outputs import RequestMetrics, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.models.registry import model_class
-from deepinfer.worker.model_builder import TORCH_DTYPES, architecture_of, build_model
-from deepinfer.worker.runner import ModelRunner, kv_bytes_per_block
+from deepinfer.worker.executor import Executor, InProcessExecutor
+from deepinfer.worker.model_builder import TORCH_DTYPES, architecture_of
+from deepinfer.worker.runner import kv_bytes_per_block
 
 logger = logging.getLogger("deepinfer")
 
@@ -90,11 +89,10 @@ class Engine:
         mc, cc = config.model, config.cache
         native_len = int(files.hf_config.get("max_position_embeddings") or 2048)
         max_len = mc.max_model_len or native_len
-        model = build_model(files.hf_config, iter_weights(files, TORCH_DTYPES[mc.dtype]), mc.dtype, mc.device, max_len,
-                            batch_invariant=config.batch_invariant)
-        dtype = TORCH_DTYPES[mc.dtype]
-        layout = layout_from_specs(model.kv_cache_specs())
-        per_block = kv_bytes_per_block(model.kv_cache_specs(), cc.block_size, dtype, layout)
+        self.executor: Executor = InProcessExecutor(config, files, max_len)
+        specs = self.executor.kv_cache_specs()
+        layout = layout_from_specs(specs)
+        per_block = kv_bytes_per_block(specs, cc.block_size, TORCH_DTYPES[mc.dtype], layout)
         budget = cc.kv_cache_memory or default_kv_cache_memory()
         num_blocks = budget // per_block
         chunk = config.scheduler.max_num_batched_tokens
@@ -116,14 +114,8 @@ class Engine:
         # ---- KV store (issue 5): the scheduler half asks it, the worker half loads and saves blocks
         self.kv_store = KVStoreConnector.open(config.kv_store, cc.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len, self.kv_store)
-        kernels = None
-        if config.cpu_kernels and mc.device == "cpu" and dtype == torch.float32:
-            kernels = cpu_attention.load()  # built once per machine (about a minute), then cached by torch
-        self.runner = ModelRunner(model, num_blocks, cc.block_size, dtype, mc.device, config.batch_invariant, layout,
-                                  kernels)
+        self.executor.initialize_cache(num_blocks, layout, self.kv_store)
         if self.kv_store is not None:
-            self.runner.kv_transfer = KVBlockTransfer(self.kv_store.store, self.kv_store.saver, self.runner.slot_caches,
-                                                      num_blocks, cc.block_size)
             self._close_kv_store = weakref.finalize(self, self.kv_store.close)  # queued saves land even at exit
         # ---- end KV store
         self.vocab_size = int(files.hf_config["vocab_size"])
@@ -242,9 +234,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if self.structured:
-            plan.grammar_masks = self.structured.masks(plan, self.scheduler)
+            plan.grammar_masks = self.structured.masks(plan)
         plan.appended_token_ids, self._appended = self._appended, {}
-        result = self.runner.execute(plan)
+        result = self.executor.execute(plan)
         advanced = self.scheduler.update(plan, result)
         if self.structured:
             self._advance_grammars(advanced, result)
@@ -281,7 +273,7 @@ class Engine:
                     self.structured.remove(child_id)
             outputs.append(state.to_output())
         if self.scheduler.has_pending_saves() and not self.scheduler.has_unfinished():
-            self.runner.execute(self.scheduler.schedule())  # idle now: hand finished tails to the KV store
+            self.executor.execute(self.scheduler.schedule())  # idle now: hand finished tails to the KV store
         return outputs
 
     def _advance_grammars(self, advanced, result) -> None:
@@ -308,9 +300,11 @@ class Engine:
                 self.scheduler.finish(rid, "stop")
 
     def close(self) -> None:
-        """Lets queued KV store saves finish (a few seconds at most) and closes the store; also runs at exit."""
+        """Lets queued KV store saves finish (a few seconds at most) and closes the store (that also runs at exit);
+        shuts the executor down."""
         if self.kv_store is not None:
             self._close_kv_store()
+        self.executor.shutdown()
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from deepinfer.core.plan import StepPlan
-from deepinfer.core.scheduler import Scheduler
 
 
 class StructuredOutputs:
@@ -47,16 +46,9 @@ class StructuredOutputs:
     def __bool__(self) -> bool:
         return bool(self._matchers)
 
-    def masks(self, plan: StepPlan, scheduler: Scheduler) -> dict[str, torch.Tensor]:
+    def masks(self, plan: StepPlan) -> dict[str, torch.Tensor]:
         """Allowed-token masks for constrained sequences that sample a token this step."""
-        masks = {}
-        for request_id, n in plan.num_tokens.items():
-            matcher = self._matchers.get(request_id)
-            request = scheduler.requests.get(request_id)
-            if matcher is None or request is None or request.num_computed_tokens + n < request.num_tokens:
-                continue
-            masks[request_id] = matcher.allowed_mask()
-        return masks
+        return {rid: self._matchers[rid].allowed_mask() for rid in plan.sample_ids if rid in self._matchers}
 
     def only_stop_allowed(self, request_id: str) -> bool:
         """Whether the request is constrained and its grammar complete: the next token can only be a stop token."""

@@ -1,6 +1,6 @@
 """The scheduler half of the KV store: which blocks beyond the device cache the store can fill, and counters.
 
-The worker half (block_transfer.py) moves the bytes. Both halves share one store and one AsyncSaver;
+The worker half (worker/kv_transfer.py) moves the bytes. Both halves share one store and one AsyncSaver;
 the keys are the prefix cache's chained block keys, whose root holds `model_identity` and the
 request's cache_salt, so a block computed by any engine serving the same model is found by every
 other one, and never by another model, dtype or tenant.

@@ -1,23 +1,13 @@
 """What every model file shares: the runner-facing contract and checked weight loading."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 from torch import nn
 
-from deepinfer.layers.linear import Linear
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """Per attention layer: what one token stores. `sliding_window` None means full attention."""
-
-    num_kv_heads: int
-    head_dim: int
-    v_head_dim: int
-    sliding_window: int | None = None
+from deepinfer.core.kv_layout import KVCacheSpec
+from deepinfer.models.weights import check_complete, checkpoint_loaders, load_tensors
 
 
 class CausalLM(nn.Module):
@@ -41,41 +31,7 @@ class CausalLM(nn.Module):
         return set()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith(self.ignored_suffixes):
-                continue
-            target, shard = self._map_name(name)
-            if target not in params:
-                raise ValueError(f"unexpected tensor {name!r} in checkpoint (no parameter {target!r} in {type(self).__name__})")
-            module_name, _, leaf = target.rpartition(".")
-            module = modules[module_name]
-            if isinstance(module, Linear):
-                module.load_shard(leaf, tensor, shard)
-                loaded.add(f"{target}#{shard}")
-            else:
-                param = params[target]
-                if tuple(param.shape) != tuple(tensor.shape):
-                    raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
-                param.data.copy_(tensor)
-            loaded.add(target)
-        self._check_complete(params, modules, loaded)
+        loaders = checkpoint_loaders(self, self.stacked)
+        seen = load_tensors(loaders, weights, lambda name: name.endswith(self.ignored_suffixes), type(self).__name__)
+        check_complete(set(loaders) - self.optional_weights(), seen)
         self.tie_weights()
-
-    def _map_name(self, name: str) -> tuple[str, int]:
-        for fragment, (fused, shard) in self.stacked.items():
-            if fragment in name:
-                return name.replace(fragment, fused), shard
-        return name, 0
-
-    def _check_complete(self, params: dict, modules: dict, loaded: set[str]) -> None:
-        missing = [n for n in params if n not in loaded and n not in self.optional_weights()]
-        for name in params:
-            module_name, _, leaf = name.rpartition(".")
-            module = modules[module_name]
-            if name in loaded and isinstance(module, Linear) and len(module.shards) > 1:
-                missing += [f"{name} (shard {i})" for i in range(len(module.shards)) if f"{name}#{i}" not in loaded]
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors: {', '.join(sorted(missing)[:10])}" + (" ..." if len(missing) > 10 else ""))

@@ -17,10 +17,12 @@ import torch
 from torch import nn
 
 from deepinfer.layers.mla import MLAttention
-from deepinfer.layers.moe import FusedExperts, MoE, TopKRouter, check_complete, checkpoint_loaders, load_tensors
+from deepinfer.layers.moe import FusedExperts, MoE, TopKRouter
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding, rope_frequencies
-from deepinfer.models.base import CausalLM, KVCacheSpec
+from deepinfer.core.kv_layout import KVCacheSpec
+from deepinfer.models.base import CausalLM
+from deepinfer.models.weights import check_complete, checkpoint_loaders, load_tensors
 from deepinfer.models.llama import LlamaMLP
 from deepinfer.spec.mtp import MTPLayer, MultiTokenPredictor
 

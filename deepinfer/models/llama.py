@@ -9,7 +9,8 @@ from deepinfer.layers.attention import Attention
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding, rope_frequencies
-from deepinfer.models.base import CausalLM, KVCacheSpec
+from deepinfer.core.kv_layout import KVCacheSpec
+from deepinfer.models.base import CausalLM
 
 
 class LlamaAttention(nn.Module):

@@ -1,11 +1,7 @@
 """Qwen3-MoE: Qwen3 attention (QK norm) with softmax top-k routed experts and no shared expert."""
 from __future__ import annotations
 
-from typing import Iterable
-
-import torch
-
-from deepinfer.layers.moe import FusedExperts, MoE, TopKRouter, check_complete, checkpoint_loaders, load_tensors
+from deepinfer.layers.moe import FusedExperts, MoE, TopKRouter
 from deepinfer.models.llama import Qwen3ForCausalLM
 
 
@@ -30,8 +26,3 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         """Per MoE layer, tokens routed to each expert since the last call."""
         return [layer.mlp.pop_expert_counts() for layer in self.model.layers if isinstance(layer.mlp, MoE)]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loaders = checkpoint_loaders(self, self.stacked)
-        seen = load_tensors(loaders, weights, lambda name: name.endswith(self.ignored_suffixes), type(self).__name__)
-        check_complete(set(loaders) - self.optional_weights(), seen)
-        self.tie_weights()

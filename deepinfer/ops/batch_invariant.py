@@ -32,11 +32,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from deepinfer.layers.context import AttentionMetadata
-from deepinfer.layers.linear import Linear
-from deepinfer.layers.norm import RMSNorm
 
 ROW_TILE = 32  # rows per GEMM call: batch-32 decode is one full tile (measured fastest at batch 32-64 on MKL)
 KV_CHUNK = 64  # key positions per attention reduction chunk (at least one KV block)
@@ -125,61 +121,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out[:m].reshape(*lead, weight.shape[0])
 
 
-# ---- modules swapped in by make_batch_invariant --------------------------------------------------------------------
-
-
-class InvariantLinear(nn.Module):
-    """A Linear / nn.Linear that computes through ``linear``; shares the original parameters (ties stay tied)."""
-
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
-        super().__init__()
-        self.weight = weight
-        self.bias = bias
-        self.packed = pack_weight(weight)  # not a buffer: an MKL-internal layout, rebuilt from the weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
-
-
-class InvariantRMSNorm(nn.Module):
-    def __init__(self, norm: RMSNorm) -> None:
-        super().__init__()
-        self.weight = norm.weight
-        self.eps = norm.eps
-        self.offset = norm.offset
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.offset)
-
-
-def make_batch_invariant(model: nn.Module) -> nn.Module:
-    """Swaps every Linear, nn.Linear (lm_head included) and RMSNorm of a built model for its invariant form, in
-    place; attention switches itself through the forward context. Model files stay unchanged.
-
-    Raises ValueError for layers whose reductions have no invariant form yet (MLA, MoE routing and combine).
-    """
-    from deepinfer.layers.mla import MLAttention
-    from deepinfer.layers.moe import MoE
-
-    unsupported = sorted({type(m).__name__ for m in model.modules() if isinstance(m, (MLAttention, MoE))})
-    if unsupported:
-        raise ValueError(f"batch_invariant is not supported for {type(model).__name__}: its {', '.join(unsupported)} "
-                         f"layers have no batch-invariant kernels; supported are dense attention models")
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, (Linear, nn.Linear)):
-                setattr(parent, name, InvariantLinear(child.weight, child.bias))
-            elif isinstance(child, RMSNorm):
-                setattr(parent, name, InvariantRMSNorm(child))
-    return model
-
-
 # ---- attention ----------------------------------------------------------------------------------------------------
 
 
-def paged_attention(layer, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    md: AttentionMetadata) -> torch.Tensor:
+def paged_attention(layer, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md) -> torch.Tensor:
     """q [T, H, D] against the cached K/V (this step's already written) -> [T, H, Dv] in q's dtype.
+
+    `layer` gives num_heads, num_kv_heads, v_head_dim, scale and sliding_window; `md` is the step's attention
+    metadata (layers.context.AttentionMetadata: decode tables and lengths, prefill sequences, block size).
 
     Per query and kv head (G query heads share it): scores against each key chunk by a [G, D] x [D, chunk] GEMM
     item; the row max over all visible keys (exact in any order); p = exp(score - max); per chunk its fold_sum and

@@ -12,6 +12,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from deepinfer.args import engine_config_from_args
 from deepinfer.engine.client import AsyncEngineClient
 from deepinfer.server.api import ServerSettings, build_app
 
@@ -34,7 +35,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def run_server(args: argparse.Namespace) -> int:
     """Blocks until the server stops; 0 after a SIGTERM drain, 1 if the model failed to load."""
-    from deepinfer.cli import engine_config_from_args
     from deepinfer.engine.engine import Engine
 
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:

@@ -46,7 +46,7 @@ def build_model(hf_config: dict, weights, dtype: str, device: str, max_positions
         if not (keep and name.endswith(keep)):
             param.data = param.data.to(torch_dtype)
     if batch_invariant:  # a transform after build: model files stay unchanged
-        from deepinfer.ops.batch_invariant import make_batch_invariant
+        from deepinfer.transforms.batch_invariant import make_batch_invariant
 
         make_batch_invariant(model)
     return model.eval()

@@ -11,13 +11,13 @@ import torch
 from deepinfer.core.plan import StepPlan, StepResult
 from deepinfer.layers.context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
 from deepinfer.core.kv_layout import KVLayout, layout_from_specs
-from deepinfer.models.base import KVCacheSpec
+from deepinfer.core.kv_layout import KVCacheSpec
 from deepinfer.sample.logprobs import compute_prompt_logprobs
 from deepinfer.sample.sampler import Sampler, SamplingRow
 from deepinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from deepinfer.kvstore.block_transfer import KVBlockTransfer
+    from deepinfer.worker.kv_transfer import KVBlockTransfer
 
 
 @dataclass

@@ -10,7 +10,7 @@ from deepinfer.core.kv_manager import KVCacheManager
 from deepinfer.core.plan import StepResult
 from deepinfer.core.request import Request
 from deepinfer.core.scheduler import Scheduler
-from deepinfer.models.base import KVCacheSpec
+from deepinfer.core.kv_layout import KVCacheSpec
 from deepinfer.sampling_params import SamplingParams
 
 BS, W = 4, 8

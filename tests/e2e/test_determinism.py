@@ -173,7 +173,7 @@ def test_thread_count_does_not_change_outputs(invariant, targets, invariant_runs
 def test_golden_tokens_across_process_restarts(invariant, targets, invariant_runs):
     tokens = [list(r.token_ids) for r in invariant_runs["alone"]]
     machine = {"torch": torch.__version__.split("+")[0], "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-               "attention": "compiled" if invariant.engine.runner.cpu_kernels is not None else "torch"}
+               "attention": "compiled" if invariant.engine.executor.runner.cpu_kernels is not None else "torch"}
     if os.environ.get("DEEPINFER_WRITE_GOLDEN") == "1":
         with open(GOLDEN, "w") as f:
             json.dump({"machine": machine, "prompts": [t.prompt for t in targets], "token_ids": tokens}, f)

@@ -118,7 +118,7 @@ def test_finished_grammar_wins_over_min_tokens(llm):
 def _record_steps(llm, monkeypatch) -> list[tuple[int, int]]:
     """(sequences in the step, grammar masks in the step) for every model step."""
     steps = []
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     execute = runner.execute
 
     def recording(plan):

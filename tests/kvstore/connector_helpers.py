@@ -15,7 +15,7 @@ from deepinfer.core.plan import StepResult
 from deepinfer.core.request import Request
 from deepinfer.core.scheduler import Scheduler
 from deepinfer.kvstore.base import KVStore
-from deepinfer.kvstore.block_transfer import KVBlockTransfer
+from deepinfer.worker.kv_transfer import KVBlockTransfer
 from deepinfer.kvstore.connector import KVStoreConnector
 from deepinfer.kvstore.saver import AsyncSaver
 from deepinfer.sampling_params import SamplingParams

@@ -6,7 +6,8 @@ import json
 import pytest
 from starlette.requests import Request
 
-from deepinfer.cli import build_parser, engine_config_from_args
+from deepinfer.args import engine_config_from_args
+from deepinfer.cli import build_parser
 from deepinfer.config import EngineConfig
 from deepinfer.kvstore import KVStoreConfig
 from deepinfer.server.api import ServerSettings, _tenant_salted

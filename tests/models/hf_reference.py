@@ -36,7 +36,7 @@ def save_tiny(model_cls, config, path, seed: int = 0, shard: str | None = None):
 def record_logits(llm: LLM) -> list[torch.Tensor]:
     """Wraps compute_logits so every sampled row's logits are kept, in call order."""
     seen: list[torch.Tensor] = []
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     original = model.compute_logits
 
     def wrapped(hidden):

@@ -86,7 +86,7 @@ def expected(pair):
 
 
 def _restore(llm):
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     model.compute_logits = type(model).compute_logits.__get__(model)
 
 
@@ -112,20 +112,20 @@ def test_chunked_prefill_and_mixed_batches_agree(pair, expected):
 def test_kv_cache_stores_only_latent_and_rope_key(pair):
     _, path = pair
     llm = LLM(path, kv_cache_memory=1 << 20, num_threads=1)
-    specs = llm.engine.runner.model.kv_cache_specs()
+    specs = llm.engine.executor.runner.model.kv_cache_specs()
     layers = BASE["num_hidden_layers"]
     assert kv_bytes_per_block(specs, 1, torch.float32) == KV_ENTRY * 4 * layers
     assert kv_bytes_per_block(specs, 1, torch.bfloat16) == KV_ENTRY * 2 * layers
-    for k_cache, v_cache in llm.engine.runner.kv_caches:
+    for k_cache, v_cache in llm.engine.executor.runner.kv_caches:
         assert tuple(k_cache.shape[1:]) == (1, KV_ENTRY) and v_cache.numel() == 0
 
 
 def test_expert_counts_sum_to_tokens_times_top_k(pair):
     _, path = pair
     llm = LLM(path, kv_cache_memory=4 << 20, enable_prefix_caching=False, num_threads=1)
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     model.pop_expert_counts()
-    runner, steps = llm.engine.runner, []
+    runner, steps = llm.engine.executor.runner, []
     execute = runner.execute
 
     def recording(plan):  # the runner moves each step's counts onto StepResult.expert_counts (the EPLB input)

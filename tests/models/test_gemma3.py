@@ -78,7 +78,7 @@ def pair(request, tmp_path_factory):
 def test_logits_and_greedy_tokens_match_transformers(pair):
     hf, path = pair
     llm = LLM(path, kv_cache_memory=8 << 20, block_size=8)
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     for prompt in PROMPTS:
         seen = record_logits(llm)
         (ours,) = ours_greedy(llm, [prompt], STEPS)

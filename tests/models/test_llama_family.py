@@ -51,7 +51,7 @@ def test_logits_and_greedy_tokens_match_transformers(pair):
         ours_logits = torch.cat(seen)
         assert ours_logits.shape == hf_logits.shape
         torch.testing.assert_close(ours_logits, hf_logits, atol=ATOL, rtol=0)
-        llm.engine.runner.model.compute_logits = type(llm.engine.runner.model).compute_logits.__get__(llm.engine.runner.model)
+        llm.engine.executor.runner.model.compute_logits = type(llm.engine.executor.runner.model).compute_logits.__get__(llm.engine.executor.runner.model)
 
 
 def test_batched_chunked_and_cached_runs_agree(pair):

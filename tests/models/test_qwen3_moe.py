@@ -32,8 +32,8 @@ def test_logits_tokens_and_expert_counts(pair, monkeypatch):
     if "Qwen3MoeForCausalLM" not in registry.supported_architectures():
         monkeypatch.setitem(registry._MODELS, "Qwen3MoeForCausalLM", ("deepinfer.models.qwen3_moe", "Qwen3MoeForCausalLM"))
     llm = LLM(path, kv_cache_memory=4 << 20, enable_prefix_caching=False, num_threads=1)
-    model = llm.engine.runner.model
-    runner, steps = llm.engine.runner, []
+    model = llm.engine.executor.runner.model
+    runner, steps = llm.engine.executor.runner, []
     execute = runner.execute
 
     def recording(plan):  # each step's expert counts travel on StepResult.expert_counts

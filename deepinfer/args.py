@@ -1,0 +1,76 @@
+"""Command-line engine options -> EngineConfig: the one mapping that `generate`, `serve` and later commands share."""
+from __future__ import annotations
+
+import argparse
+
+from deepinfer.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF directory, .gguf file or a named model; default: bundled SmolLM2-135M-Instruct")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=_bytes, default=None, help="KV cache budget, e.g. 2GiB or 512MiB; default: a fifth of free RAM up to 4 GiB")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--batch-invariant", action="store_true", default=None, help="same as DEEPINFER_BATCH_INVARIANT=1")
+    g.add_argument("--num-threads", type=int, default=None)
+    kv = parser.add_argument_group("KV store (prefix blocks kept beyond the device cache, shared across restarts)")
+    kv.add_argument("--kv-store", action="append", default=[], metavar="memory|disk|redis",
+                    help="a tier; repeat or give a comma list (memory is always in front of disk)")
+    kv.add_argument("--kv-store-path", default=None, help="directory of the disk tier (may be a shared mount)")
+    kv.add_argument("--kv-store-url", default=None, help="redis tier, e.g. redis://127.0.0.1:6379/0")
+    kv.add_argument("--kv-store-memory", type=_bytes, default=None, help="host-memory tier budget, e.g. 8GiB (default 1GiB)")
+    kv.add_argument("--kv-store-disk-capacity", type=_bytes, default=None, help="disk tier capacity (default 16GiB)")
+    kv.add_argument("--kv-ttl", action="append", default=[], type=_ttl, metavar="CLASS=SECONDS",
+                    help="lifetime of blocks saved for a traffic class (defaults agent=259200, chatbot=604800)")
+    kv.add_argument("--kv-ttl-class", default=None, choices=["agent", "chatbot"],
+                    help="class of requests that name none (default chatbot)")
+
+
+def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
+    return EngineConfig.from_kwargs(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        batch_invariant=args.batch_invariant,
+        num_threads=args.num_threads,
+        kv_store=",".join(args.kv_store),
+        kv_store_path=args.kv_store_path,
+        kv_store_url=args.kv_store_url,
+        kv_store_memory=args.kv_store_memory,
+        kv_store_disk_capacity=args.kv_store_disk_capacity,
+        kv_ttl=dict(args.kv_ttl) or None,
+        kv_ttl_class=args.kv_ttl_class,
+        **extra,
+    )
+
+
+def _bytes(text: str) -> int:
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    lower = text.strip().lower()
+    for unit, scale in units.items():
+        if lower.endswith(unit):
+            return int(float(lower[: -len(unit)]) * scale)
+    return int(float(lower))
+
+
+def _ttl(text: str) -> tuple[str, float]:
+    name, sep, seconds = text.partition("=")
+    try:
+        value = float(seconds)
+    except ValueError:
+        value = None
+    if not sep or value is None:
+        raise argparse.ArgumentTypeError(f"expected CLASS=SECONDS (e.g. agent=259200), got {text!r}")
+    return name.strip(), value

@@ -1,0 +1,55 @@
+"""The batch-invariant transform: swaps a built model's linear layers and norms for fixed-order kernels
+(ops/batch_invariant.py). Attention switches itself through the forward context."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.layers.linear import Linear
+from deepinfer.layers.mla import MLAttention
+from deepinfer.layers.moe import MoE
+from deepinfer.layers.norm import RMSNorm
+from deepinfer.ops.batch_invariant import linear, pack_weight, rms_norm
+
+
+class InvariantLinear(nn.Module):
+    """A Linear / nn.Linear that computes through ``linear``; shares the original parameters (ties stay tied)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.packed = pack_weight(weight)  # not a buffer: an MKL-internal layout, rebuilt from the weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed)
+
+
+class InvariantRMSNorm(nn.Module):
+    def __init__(self, norm: RMSNorm) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = norm.eps
+        self.offset = norm.offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.offset)
+
+
+def make_batch_invariant(model: nn.Module) -> nn.Module:
+    """Swaps every Linear, nn.Linear (lm_head included) and RMSNorm of a built model for its invariant form, in
+    place. Model files stay unchanged.
+
+    Raises ValueError for layers whose reductions have no invariant form yet (MLA, MoE routing and combine).
+    """
+    unsupported = sorted({type(m).__name__ for m in model.modules() if isinstance(m, (MLAttention, MoE))})
+    if unsupported:
+        raise ValueError(f"batch_invariant is not supported for {type(model).__name__}: its {', '.join(unsupported)} "
+                         f"layers have no batch-invariant kernels; supported are dense attention models")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, (Linear, nn.Linear)):
+                setattr(parent, name, InvariantLinear(child.weight, child.bias))
+            elif isinstance(child, RMSNorm):
+                setattr(parent, name, InvariantRMSNorm(child))
+    return model
