@@ -5,11 +5,8 @@ many tokens per request, greedy, with EOS ignored, so engines do identical work:
 
 - deepinfer: the offline `LLM` API, every request submitted at once (the engine batches continuously).
 - transformers: `generate` on static batches with left padding; a batch runs to its longest output.
-- llama-cpp-python (optional): one request after another (`Llama.generate`); it has no multi-sequence API.
-- vLLM (optional): a worker subprocess under another interpreter, using vLLM's offline `LLM` API.
-
-Heavy imports stay inside functions: this file is also the vLLM worker, run by that venv's python
-(`python common.py vllm-worker ...`), where neither deepinfer nor this venv's packages exist.
+The peers users would pick instead (llama.cpp, vLLM) are in peers.py. Heavy imports stay inside functions: the
+vLLM worker (peers.py, run by another venv's python) imports this file where deepinfer is not installed.
 """
 from __future__ import annotations
 
@@ -44,6 +41,8 @@ class RunResult:
     # Seconds after every request had its first token (decode only); how each runner measures it is in its docstring.
     decode_s: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    # tokens decode_s covers, where a tool reports its own split (llama-batched-bench); None: output minus requests
+    decode_tokens: int | None = None
     token_ids: list[list[int]] = field(default_factory=list, repr=False)  # each request's counted output tokens
 
     @property
@@ -59,7 +58,8 @@ class RunResult:
         # Each request's first token comes out of its prefill, so decode produced output_len - 1 per request.
         if not self.decode_s:
             return None
-        return (self.output_tokens - self.num_requests) / self.decode_s
+        tokens = self.decode_tokens if self.decode_tokens is not None else self.output_tokens - self.num_requests
+        return tokens / self.decode_s
 
     def to_dict(self) -> dict[str, Any]:
         row = {**asdict(self), "output_tok_s": self.output_tok_s, "total_tok_s": self.total_tok_s,
@@ -68,10 +68,12 @@ class RunResult:
         return row
 
 
-def greedy_agreement(ours: RunResult, reference: RunResult) -> dict[str, float]:
+def greedy_agreement(ours: RunResult, reference: RunResult) -> dict[str, float] | None:
     """How far two runs' greedy outputs agree: a fast engine that computes something else shows up here.
     Float32 engines on the same weights should agree almost everywhere (a near-tie can flip and then diverge);
-    llama.cpp computes on the quantized weights and drifts sooner."""
+    engines on quantized weights drift sooner. None when a run reports no tokens (llama.cpp's own tools)."""
+    if not ours.token_ids or not reference.token_ids:
+        return None
     pairs = list(zip(ours.token_ids, reference.token_ids))
     if not pairs or len(ours.token_ids) != len(reference.token_ids):
         raise ValueError(f"cannot compare {len(ours.token_ids)} outputs with {len(reference.token_ids)}")
@@ -206,11 +208,21 @@ class DeepinferRunner(Runner):
     name = "deepinfer"
     mode = "continuous batching, all requests submitted at once"
 
-    def __init__(self, model: str, threads: int, options: dict[str, Any]) -> None:
+    def __init__(self, model: str, threads: int, options: dict[str, Any], name: str = "deepinfer") -> None:
         from deepinfer import LLM
 
-        self.options = {"dtype": "float32", "num_threads": threads, **options}
+        self.name = name
+        self.options = {"num_threads": threads, **options}
         self.llm = LLM(model, **self.options)
+        self.mode = f"{self.llm.engine.compute.name}, continuous batching, all requests submitted at once"
+
+    def weight_bytes(self) -> int:
+        """Bytes the model's weights hold: dense parameters plus packed quantized blocks (a tied table once)."""
+        model = self.llm.engine.executor.runner.model
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        packed = {id(m.weight): m.weight.nbytes for m in model.modules()
+                  if type(getattr(m, "weight", None)).__name__ == "QuantWeight"}
+        return total + sum(packed.values())
 
     def run(self, requests: Sequence[BenchRequest], progress: bool = True) -> RunResult:
         from deepinfer import SamplingParams
@@ -308,170 +320,3 @@ def _first_call_clock():
             return scores
 
     return FirstCallClock()
-
-
-class LlamaCppRunner(Runner):
-    """One request at a time through `Llama.generate` (greedy), stopped after output_len tokens; the context is
-    reset first, so no prompt prefix is reused. decode_s: the sum over requests of first token to last token."""
-
-    name = "llamacpp"
-    mode = "sequential (Llama.generate, one request at a time)"
-
-    def __init__(self, model_path: str, threads: int, n_ctx: int, n_batch: int) -> None:
-        if importlib.util.find_spec("llama_cpp") is None:
-            raise EngineUnavailable("llama-cpp-python is not installed (pip install llama-cpp-python)")
-        if not model_path.endswith(".gguf"):
-            raise EngineUnavailable(f"llama.cpp needs a .gguf model, got {model_path!r}")
-        _probe_llamacpp(model_path)
-        from llama_cpp import Llama
-
-        self.n_ctx, self.n_batch = n_ctx, n_batch
-        self.llm = Llama(model_path=model_path, n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
-                         n_threads_batch=threads, seed=0, verbose=False)
-
-    def run(self, requests: Sequence[BenchRequest], progress: bool = True) -> RunResult:
-        from tqdm.auto import tqdm
-
-        token_ids: list[list[int]] = []
-        decode = 0.0
-        start = time.perf_counter()
-        for r in tqdm(requests, desc="llama.cpp", unit="req", disable=not progress):
-            if len(r.prompt_token_ids) + r.output_len > self.n_ctx:
-                raise ValueError(f"request needs {len(r.prompt_token_ids) + r.output_len} tokens, n_ctx is {self.n_ctx}")
-            self.llm.reset()
-            tokens: list[int] = []
-            first = time.perf_counter()
-            for token in self.llm.generate(r.prompt_token_ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
-                tokens.append(token)
-                if len(tokens) == 1:
-                    first = time.perf_counter()
-                if len(tokens) == r.output_len:
-                    break
-            decode += time.perf_counter() - first
-            token_ids.append(tokens)
-        wall = time.perf_counter() - start
-        _check_lengths(self.name, requests, [len(t) for t in token_ids])
-        return RunResult(self.name, len(requests), sum(len(r.prompt_token_ids) for r in requests),
-                         sum(r.output_len for r in requests), wall, decode,
-                         {"n_ctx": self.n_ctx, "n_batch": self.n_batch}, token_ids)
-
-    def close(self) -> None:
-        if hasattr(self.llm, "close"):  # llama-cpp-python >= 0.2.60 frees its context explicitly
-            self.llm.close()
-
-
-_LLAMACPP_PROBE = """
-import sys
-from llama_cpp import Llama
-llm = Llama(sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
-next(iter(llm.generate([100, 200, 300], temp=0.0)))
-"""
-
-
-def _probe_llamacpp(model_path: str) -> None:
-    """Decodes one token in a child process first: a llama.cpp built for instructions this machine advertises but
-    cannot run (AMX tiles in a VM) dies with SIGILL, which would take the whole benchmark down with it."""
-    try:
-        probe = subprocess.run([sys.executable, "-c", _LLAMACPP_PROBE, model_path], capture_output=True, text=True,
-                               timeout=300)
-    except subprocess.TimeoutExpired as e:
-        raise EngineUnavailable("llama-cpp-python's probe (load the model, decode one token) took over 300 s") from e
-    if probe.returncode != 0:
-        code = probe.returncode
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        last = (probe.stderr.strip().splitlines() or ["no error output"])[-1]
-        hint = (" (an instruction this CPU cannot run; on a VM without AMX rebuild with CMAKE_ARGS=\"-DGGML_NATIVE=OFF "
-                "-DGGML_AVX2=ON -DGGML_AVX512=ON ...\", which leaves AMX off)" if code == -signal.SIGILL else f": {last}")
-        raise EngineUnavailable(f"llama-cpp-python failed a probe run, {how}{hint}")
-
-
-class VllmRunner(Runner):
-    """vLLM's offline API in a worker process started with another interpreter (vLLM is not in this venv).
-    Prefix caching is off there, so the prefill-only pass does not warm the timed one. decode_s: the timed
-    run's wall time minus a prefill-only pass (max_tokens=1) over the same prompts, when measure_decode is set."""
-
-    name = "vllm"
-    mode = "vLLM offline LLM.generate in a subprocess, all requests submitted at once"
-
-    def __init__(self, python: str | None, model_path: str, threads: int, measure_decode: bool) -> None:
-        if not python:
-            raise EngineUnavailable("no --vllm-python given (the python of a venv with vllm installed)")
-        if not os.access(python, os.X_OK):
-            raise EngineUnavailable(f"--vllm-python {python!r} is not an executable")
-        probe = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
-        if probe.returncode != 0:
-            last = (probe.stderr.strip().splitlines() or ["no error output"])[-1]
-            raise EngineUnavailable(f"{python} cannot import vllm: {last}")
-        self.version = probe.stdout.strip()
-        self.measure_decode = measure_decode
-        read_fd, write_fd = os.pipe()  # results travel on their own pipe: vLLM logs to stdout and stderr
-        self.proc = subprocess.Popen([python, os.path.abspath(__file__), "vllm-worker", model_path, str(threads),
-                                      str(write_fd)], stdin=subprocess.PIPE, text=True, pass_fds=(write_fd,))
-        os.close(write_fd)  # the worker holds the only write end, so its death reads as EOF here
-        self.results = os.fdopen(read_fd)
-        self._reply()  # the worker says ready once the model is loaded
-
-    def _reply(self) -> dict[str, Any]:
-        line = self.results.readline()
-        if not line:
-            raise RuntimeError(f"the vLLM worker exited (code {self.proc.wait()}) before answering; see its log above")
-        return json.loads(line)
-
-    def run(self, requests: Sequence[BenchRequest], progress: bool = True) -> RunResult:
-        command = {"requests": [[r.prompt_token_ids, r.output_len] for r in requests],
-                   "measure_prefill": self.measure_decode, "progress": progress}
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        reply = self._reply()
-        _check_lengths(self.name, requests, [len(t) for t in reply["token_ids"]])
-        wall, prefill = reply["wall_s"], reply["prefill_s"]
-        decode = wall - prefill if prefill is not None and wall > prefill else None  # noise can invert a tiny run
-        return RunResult(self.name, len(requests), sum(len(r.prompt_token_ids) for r in requests),
-                         sum(r.output_len for r in requests), wall, decode,
-                         {"vllm": self.version, "prefill_only_s": prefill},
-                         [t[: r.output_len] for t, r in zip(reply["token_ids"], requests)])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()  # EOF ends the worker's loop
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.results.close()
-
-
-def _vllm_worker(model: str, threads: int, result_fd: int) -> None:
-    """Runs under the vLLM venv's python: one JSON command a line on stdin, one JSON reply a line on result_fd."""
-    import torch
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    torch.set_num_threads(threads)
-    llm = LLM(model=model, dtype="float32", seed=0, skip_tokenizer_init=True, enable_prefix_caching=False)
-    with os.fdopen(result_fd, "w") as out:
-        out.write(json.dumps({"ready": True}) + "\n")
-        out.flush()
-        for line in sys.stdin:
-            command = json.loads(line)
-            prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in command["requests"]]
-            prefill_s = None
-            if command["measure_prefill"]:
-                one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
-                start = time.perf_counter()
-                llm.generate(prompts, one, use_tqdm=False)
-                prefill_s = time.perf_counter() - start
-            params = [SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False)
-                      for _, n in command["requests"]]
-            start = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=command["progress"])
-            wall = time.perf_counter() - start
-            out.write(json.dumps({"wall_s": wall, "prefill_s": prefill_s,
-                                  "token_ids": [list(o.outputs[0].token_ids) for o in outputs]}) + "\n")
-            out.flush()
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 5 or sys.argv[1] != "vllm-worker":
-        sys.exit("usage: python common.py vllm-worker MODEL THREADS RESULT_FD (started by VllmRunner)")
-    _vllm_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

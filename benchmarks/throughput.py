@@ -1,14 +1,20 @@
-"""Offline throughput: deepinfer against Hugging Face transformers, llama-cpp-python and vLLM on one seeded workload.
+"""Offline throughput: deepinfer against Hugging Face transformers, llama.cpp and vLLM on one seeded workload.
 
 Default mode: a fixed, seeded set of requests (256; prompts 32..512 tokens, outputs 32..256) run through every
 engine in turn, same token ids, exact output lengths (greedy, EOS ignored), float32 for the torch engines, the same
 thread count everywhere. Prints a table of output and total tokens/s with ratios against transformers, and writes
 JSON. `--batch-sizes 1,4,16,32,64` instead measures decode throughput at fixed concurrency (every request has
---batch-prompt-len prompt tokens and --max-output output tokens) and also writes a PNG plot.
+--batch-prompt-len prompt tokens and --max-output output tokens), prompt processing of one --prefill-len prompt,
+and the weights' memory, and also writes a PNG plot.
+
+Engines: `deepinfer` (its default: a GGUF model computes on its quantized blocks), `deepinfer-f32` (dense
+float32), `transformers` (float32), `llama.cpp` (its own llama-bench / llama-batched-bench, with --llama-bin),
+`llama-cpp-python` (sequential), `vllm` / `vllm-bf16` (with --vllm-python).
 
     python benchmarks/throughput.py                                      # the full workload (tens of minutes)
     python benchmarks/throughput.py --num-requests 16 --max-prompt 128 --max-output 32
-    python benchmarks/throughput.py --batch-sizes 1,4,16,32,64 --max-output 64
+    python benchmarks/throughput.py --batch-sizes 1,16,64 --max-output 128 --llama-bin ~/llama.cpp/build/bin \
+        --vllm-python ~/vllm-venv/bin/python --vllm-model ~/smollm2-hf
 """
 from __future__ import annotations
 
@@ -25,11 +31,9 @@ from common import (  # noqa: E402
     BenchRequest,
     DeepinferRunner,
     EngineUnavailable,
-    LlamaCppRunner,
     Runner,
     RunResult,
     TransformersRunner,
-    VllmRunner,
     default_output_path,
     greedy_agreement,
     machine_info,
@@ -38,8 +42,10 @@ from common import (  # noqa: E402
     workload_summary,
     write_json,
 )
+from peers import LlamaCppRunner, LlamaToolsRunner, VllmRunner  # noqa: E402
+from speed_extras import measure_extras, report_extras  # noqa: E402
 
-ENGINES = ("deepinfer", "transformers", "llamacpp", "vllm")
+ENGINES = ("deepinfer", "deepinfer-f32", "transformers", "llama.cpp", "llama-cpp-python", "vllm", "vllm-bf16")
 BASELINE = "transformers"
 WARMUP_SEED_OFFSET = 1_000_003  # warm-up prompts differ from measured ones, so no prefix cache can carry over
 
@@ -48,8 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a .gguf file or Hugging Face directory; default: bundled SmolLM2")
     parser.add_argument("--engines", default=None,
-                        help=f"comma list from {','.join(ENGINES)}; default: deepinfer,transformers,llamacpp "
-                             "(+vllm with --vllm-python); an engine that is not installed is skipped")
+                        help=f"comma list from {','.join(ENGINES)}; default: deepinfer,deepinfer-f32,transformers "
+                             "(+llama.cpp with --llama-bin, +vllm,vllm-bf16 with --vllm-python); an engine that "
+                             "cannot run here is skipped with the reason")
     parser.add_argument("--num-requests", type=int, default=256, help="workload size (default %(default)s)")
     parser.add_argument("--min-prompt", type=int, default=32, help="shortest prompt, tokens (default %(default)s)")
     parser.add_argument("--max-prompt", type=int, default=512, help="longest prompt, tokens (default %(default)s)")
@@ -67,13 +74,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
     parser.add_argument("--deepinfer-option", action="append", default=[], metavar="KEY=VALUE",
                         help="an LLM engine option, e.g. max_num_seqs=64; repeatable; values parsed as JSON if they can be")
-    parser.add_argument("--llamacpp-n-batch", type=int, default=512, help="llama.cpp n_batch (default %(default)s)")
+    parser.add_argument("--prefill-len", type=int, default=512,
+                        help="with --batch-sizes: prompt processing of one prompt this long (default %(default)s)")
+    parser.add_argument("--llamacpp-n-batch", type=int, default=512, help="llama-cpp-python n_batch (default %(default)s)")
+    parser.add_argument("--llama-bin", default=None, help="directory with llama.cpp's llama-bench and llama-batched-bench")
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm; runs vLLM as a peer")
+    parser.add_argument("--vllm-model", default=None,
+                        help="the Hugging Face directory vLLM loads (a GGUF dequantized with transformers); "
+                             "default: --model")
     parser.add_argument("--out", default=None, help="JSON path; default benchmarks/results/throughput-<timestamp>.json")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     args = parser.parse_args(argv)
 
-    default = ["deepinfer", "transformers", "llamacpp"] + (["vllm"] if args.vllm_python else [])
+    default = (["deepinfer", "deepinfer-f32", "transformers"] + (["llama.cpp"] if args.llama_bin else [])
+               + (["vllm", "vllm-bf16"] if args.vllm_python else []))
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()] if args.engines else default
     unknown = [e for e in args.engines if e not in ENGINES]
     if unknown or not args.engines:
@@ -118,20 +132,25 @@ def plan_requests(args: argparse.Namespace, token_ids: list[int]) -> list[tuple[
 
 
 def make_runner(engine: str, args: argparse.Namespace, model_path: str, n_ctx: int) -> Runner:
-    if engine == "deepinfer":
+    if engine in ("deepinfer", "deepinfer-f32"):
         options = dict(args.deepinfer_options)
+        if engine == "deepinfer-f32":
+            options["dtype"] = "float32"
         if args.batch_sizes and max(args.batch_sizes) > 128:  # the default max_num_seqs; all must run at once
             options.setdefault("max_num_seqs", max(args.batch_sizes))
-        return DeepinferRunner(model_path, args.threads, options)
+        return DeepinferRunner(model_path, args.threads, options, name=engine)
     if engine == "transformers":
         # In --batch-sizes mode each run holds exactly `concurrency` requests: one static batch.
         return TransformersRunner(model_path, args.threads, max(args.batch_sizes) if args.batch_sizes else args.hf_batch_size)
-    if engine == "llamacpp":
+    if engine == "llama.cpp":
+        return LlamaToolsRunner(args.llama_bin, model_path, args.threads)
+    if engine == "llama-cpp-python":
         return LlamaCppRunner(model_path, args.threads, n_ctx, args.llamacpp_n_batch)
-    return VllmRunner(args.vllm_python, model_path, args.threads, measure_decode=bool(args.batch_sizes))
+    return VllmRunner(args.vllm_python, args.vllm_model or model_path, args.threads,
+                      measure_decode=bool(args.batch_sizes), dtype="bfloat16" if engine == "vllm-bf16" else "float32")
 
 
-def run_engines(args: argparse.Namespace, model_path: str, plans, warmup: list[BenchRequest]):
+def run_engines(args: argparse.Namespace, model_path: str, plans, warmup: list[BenchRequest], token_ids: list[int]):
     n_ctx = max(len(r.prompt_token_ids) + r.output_len for _, requests in plans for r in requests + warmup)
     results: list[tuple[int | None, RunResult]] = []
     engines: dict[str, dict[str, Any]] = {}
@@ -151,6 +170,8 @@ def run_engines(args: argparse.Namespace, model_path: str, plans, warmup: list[B
                 print(f"   {_label(concurrency)}{result.output_tokens} output tokens in {result.wall_s:.2f}s: "
                       f"{result.output_tok_s:.1f} out tok/s", flush=True)
             engines[engine] = {"status": "ran", "mode": runner.mode}
+            if args.batch_sizes:
+                engines[engine].update(measure_extras(runner, args, model_path, token_ids))
         finally:
             runner.close()
             del runner
@@ -260,11 +281,15 @@ def main(argv: list[str] | None = None) -> None:
     warmup = random_requests(2, (16, 16), (4, 4), token_ids, args.seed + WARMUP_SEED_OFFSET)
     machine = machine_info(args.threads)
 
-    results, engines = run_engines(args, files.path, plans, warmup)
+    results, engines = run_engines(args, files.path, plans, warmup, token_ids)
     print()
     if not results:
         print("no engine ran")
     rows = [] if not results else report_batches(results) if args.batch_sizes else report_workload(results)
+    summary = None
+    if args.batch_sizes:
+        print()
+        summary = report_extras(engines, results, files.path)
     for engine, info in engines.items():
         print(f"{engine}: {info.get('mode') or 'skipped: ' + info['reason']}")
 
@@ -280,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         "workloads": [{"concurrency": c, **workload_summary(reqs)} for c, reqs in plans],
         "engines": engines,
         "results": rows,
+        "versus_best_peer": summary,
     }
     if args.batch_sizes and rows:
         title = (f"{os.path.basename(files.path)}, prompt {min(args.batch_prompt_len, args.max_prompt)}, "

@@ -9,7 +9,13 @@ from deepinfer.config import EngineConfig
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF directory, .gguf file or a named model; default: bundled SmolLM2-135M-Instruct")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="dense compute dtype; default float32, and a GGUF model computes on its quantized blocks "
+                        "unless a dtype is given (--dtype float32 is the exact dense path)")
+    g.add_argument("--quantization", default=None, choices=["none", "gguf", "int8", "int4"],
+                   help="gguf: compute on the file's quantized blocks (default for .gguf); int8 / int4: quantize "
+                        "float weights at load; none: dense weights")
+    g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=_bytes, default=None, help="KV cache budget, e.g. 2GiB or 512MiB; default: a fifth of free RAM up to 4 GiB")
@@ -19,6 +25,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--batch-invariant", action="store_true", default=None, help="same as DEEPINFER_BATCH_INVARIANT=1")
     g.add_argument("--num-threads", type=int, default=None)
+    sp = parser.add_argument_group("speculative decoding")
+    sp.add_argument("--speculative-method", default=None, choices=["ngram", "mtp"],
+                    help="draft tokens with n-gram prompt lookup or the model's MTP layers; default: off")
+    sp.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step (default 3)")
+    sp.add_argument("--speculative-draft", default=None, metavar="PATH", help="a trained MTP head (deepinfer train-mtp)")
+    ep = parser.add_argument_group("expert parallelism (MoE models)")
+    ep.add_argument("--expert-parallel-size", type=int, default=None, help="rank processes holding the experts")
+    ep.add_argument("--num-redundant-experts", type=int, default=None, help="extra expert slots for hot experts")
+    ep.add_argument("--eplb-interval", type=int, default=None, help="steps between expert rebalances")
+    ep.add_argument("--moe-lb-window", type=int, default=None, help="steps moe_lb is measured over")
+    ep.add_argument("--master-addr", default=None, help="torch.distributed rendezvous address (default 127.0.0.1)")
+    ep.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
+    ep.add_argument("--dist-backend", default=None, choices=["gloo", "nccl"])
+    ep.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=None,
+                    help="seconds before a rank that does not answer fails the engine")
     kv = parser.add_argument_group("KV store (prefix blocks kept beyond the device cache, shared across restarts)")
     kv.add_argument("--kv-store", action="append", default=[], metavar="memory|disk|redis",
                     help="a tier; repeat or give a comma list (memory is always in front of disk)")
@@ -36,6 +57,19 @@ def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
     return EngineConfig.from_kwargs(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
+        device=args.device,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        draft=args.speculative_draft,
+        expert_parallel_size=args.expert_parallel_size,
+        num_redundant_experts=args.num_redundant_experts,
+        eplb_interval=args.eplb_interval,
+        moe_lb_window=args.moe_lb_window,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        dist_backend=args.dist_backend,
+        dist_timeout_s=args.dist_timeout_s,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,

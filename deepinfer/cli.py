@@ -1,4 +1,4 @@
-"""Command line: deepinfer generate | serve."""
+"""Command line: deepinfer generate | serve | router."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +6,7 @@ import logging
 import sys
 
 from deepinfer.args import add_engine_args, engine_config_from_args
+from deepinfer.router.args import add_data_parallel_args, add_router_args
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -31,9 +32,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.ray or args.data_parallel_size != 1:
+        from deepinfer.router.launch import run_data_parallel
+
+        return run_data_parallel(args)
     from deepinfer.server.serve import run_server
 
     return run_server(args)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from deepinfer.router.serve import run_router
+
+    return run_router(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
         serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
         add_engine_args(serve)
         add_serve_args(serve)
+        add_data_parallel_args(serve)
         serve.set_defaults(func=cmd_serve)
+        router = sub.add_parser("router", help="route OpenAI requests over running replicas (cache- and load-aware)")
+        add_router_args(router)
+        router.set_defaults(func=cmd_router)
     return parser
 
 

@@ -9,21 +9,65 @@ from deepinfer.kvstore.base import KINDS, KVStoreConfig
 from deepinfer.sampling_params import TTL_CLASSES
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "gguf", "int8", "int4")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # None: the bundled default model (SmolLM2-135M-Instruct GGUF)
-    dtype: str = "float32"
+    dtype: str | None = None  # None: float32, and for a GGUF file its quantized compute (see `compute`)
+    # "gguf": compute on the file's quantized blocks; "int8" / "int4": quantize float weights at load; "none": dense
+    quantization: str | None = None  # None: "gguf" for a GGUF file unless a dtype is given, else "none"
     max_model_len: int | None = None  # None: the model's own context length
-    device: str = "cpu"
+    device: str = "auto"  # "auto": CUDA when torch sees a GPU, else the CPU
     tokenizer: str | None = None  # None: from the model directory or the GGUF metadata
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be one of {DEVICES} (or cuda:N), got {self.device!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization not in (None, "none") and self.dtype not in (None, "float32"):
+            raise ValueError(f"quantization={self.quantization!r} computes activations in float32; "
+                             f"dtype={self.dtype!r} cannot be combined with it")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class Compute:
+    """What the model computes in, resolved once the model file is known."""
+
+    dtype: str  # activations, KV cache and dense weights
+    quantization: str | None  # None: dense weights in dtype
+    device: str = "cpu"
+
+    @property
+    def name(self) -> str:
+        return self.dtype if self.quantization is None else f"{self.dtype}+{self.quantization}"
+
+
+def resolve_compute(mc: ModelConfig, file_format: str, cuda_available: bool = False) -> Compute:
+    """GGUF files compute on their quantized blocks unless a dtype or quantization="none" asks for dense weights
+    (`dtype="float32"` is the exact path every transformers comparison uses); other files compute densely. The
+    quantized kernels are CPU code: on CUDA a GGUF model computes on its dequantized weights."""
+    device = ("cuda" if cuda_available else "cpu") if mc.device == "auto" else mc.device
+    if device.startswith("cuda") and not cuda_available:
+        raise ValueError(f"device={mc.device!r} but torch sees no CUDA device")
+    q = mc.quantization
+    if device != "cpu" and q not in (None, "none"):
+        raise ValueError(f"quantization={q!r} runs on the CPU only; on {device} use quantization='none'")
+    if device != "cpu":
+        return Compute(mc.dtype or "float32", None, device)
+    if q == "gguf" and file_format != "gguf":
+        raise ValueError(f"quantization='gguf' needs a .gguf model; this one is {file_format} "
+                         f"(use int8 or int4 to quantize its weights at load)")
+    if q is None:
+        q = "gguf" if file_format == "gguf" and mc.dtype is None else "none"
+    return Compute(mc.dtype or "float32", None if q == "none" else q, device)
 
 
 @dataclass(frozen=True)
@@ -54,13 +98,81 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
-    max_waiting_requests: int | None = None  # the server answers 503 past this
+    # sequences that may wait at once; the server answers 503 + Retry-After past it. None: derived from the KV
+    # capacity (engine/client.default_max_waiting). The offline LLM never refuses work.
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Expert parallelism: `expert_parallel_size` worker processes joined by torch.distributed, each holding the
+    routed experts of its slots (worker/ep_executor.py); 1: the model runs in the engine's process."""
+
+    expert_parallel_size: int = 1
+    num_redundant_experts: int = 0  # slots per MoE layer beyond one per expert: replicas of hot experts (EPLB)
+    eplb_interval: int | None = None  # steps between placement updates from the measured loads; None: never
+    moe_lb_window: int = 100  # steps over which moe_lb (EngineStats.moe_load) is measured
+    master_addr: str = "127.0.0.1"  # where the engine hosts the ranks' rendezvous store
+    master_port: int | None = None  # None: a free port
+    dist_backend: str | None = None  # "gloo" | "nccl"; None: gloo on a CPU, nccl on CUDA
+    dist_timeout_s: float = 300.0  # a collective, or a step the engine waits for, that takes longer fails
+
+    def __post_init__(self) -> None:
+        ep = self.expert_parallel_size
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise ValueError(f"expert_parallel_size must be an integer >= 1, got {ep!r}")
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if self.eplb_interval is not None and self.eplb_interval < 1:
+            raise ValueError(f"eplb_interval must be >= 1 step (or None: no rebalancing), got {self.eplb_interval}")
+        if ep == 1 and (self.num_redundant_experts or self.eplb_interval is not None):
+            raise ValueError("num_redundant_experts and eplb_interval need expert_parallel_size > 1 (one process "
+                             "holds every expert once)")
+        if self.moe_lb_window < 1:
+            raise ValueError(f"moe_lb_window must be >= 1 step, got {self.moe_lb_window}")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be in [1, 65535] (or None: a free port), got {self.master_port}")
+        if self.dist_backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"dist_backend must be 'gloo' or 'nccl' (or None: by device), got {self.dist_backend!r}")
+        if not self.dist_timeout_s > 0:
+            raise ValueError(f"dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s}")
+
+
+SPEC_METHODS = ("ngram", "mtp")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: a proposer drafts up to num_speculative_tokens tokens per sequence and step, the target
+    model verifies them in the same step (sample/rejection.py). speculative_method None: off."""
+
+    speculative_method: str | None = None  # "ngram" (prompt lookup, every model) or "mtp" (multi-token prediction)
+    num_speculative_tokens: int = 3
+    ngram_min: int = 1  # shortest suffix an n-gram draft matches
+    ngram_max: int = 4  # longest
+    draft: str | None = None  # mtp: a trained MTP head (deepinfer train-mtp) for a model whose checkpoint has none
+
+    def __post_init__(self) -> None:
+        if self.speculative_method is not None and self.speculative_method not in SPEC_METHODS:
+            raise ValueError(f"speculative_method must be one of {SPEC_METHODS} or None, got {self.speculative_method!r}")
+        if isinstance(self.num_speculative_tokens, bool) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.draft is not None and self.speculative_method != "mtp":
+            raise ValueError("draft (an MTP head) needs speculative_method='mtp'")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_method is not None
 
 
 @dataclass(frozen=True)
@@ -69,17 +181,21 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
     batch_invariant: bool = False
     enable_mtp_varlen: bool = True
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
-    cpu_kernels: bool = True  # the compiled CPU paged-decode kernel (DEEPINFER_CPU_KERNELS=0: torch ops only)
+    cpu_kernels: bool = True  # the compiled CPU kernels and ops (DEEPINFER_CPU_KERNELS=0: torch ops only)
+    fused_ops: bool = True  # norms, activations, rotary, cache writes through compiled ops (DEEPINFER_FUSED_OPS=0: off)
 
     @classmethod
     def from_kwargs(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> EngineConfig:
         """Builds the config from flat keyword arguments (the LLM / CLI surface) and the environment."""
         env = os.environ if env is None else env
-        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
-        owners = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "parallel": {}, "spec": {}}
+        owners = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+                  "spec": SpecConfig}
         top: dict[str, Any] = {}
         top_names = {f.name for f in fields(cls)} - set(owners) - {"kv_store"}
         kv_store: dict[str, Any] = {}
@@ -107,12 +223,16 @@ class EngineConfig:
             parts["cache"]["swa_keep_tokens"] = int(raw)
         if "cpu_kernels" not in top:
             top["cpu_kernels"] = _env_flag(env, "DEEPINFER_CPU_KERNELS", True)
+        if "fused_ops" not in top:
+            top["fused_ops"] = _env_flag(env, "DEEPINFER_FUSED_OPS", True)
         if "enable_mtp_varlen" not in top:
             top["enable_mtp_varlen"] = _env_flag(env, "DEEPINFER_ENABLE_MTP_VARLEN", True)
         return cls(
             model=ModelConfig(**parts["model"]),
             cache=CacheConfig(**parts["cache"]),
             scheduler=SchedulerConfig(**parts["scheduler"]),
+            parallel=ParallelConfig(**parts["parallel"]),
+            spec=SpecConfig(**parts["spec"]),
             kv_store=_kv_store_config(kv_store),
             **top,
         )

@@ -15,6 +15,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request (all its sequences)
+    num_accepted_tokens: int = 0  # and accepted
 
 
 @dataclass

@@ -1,8 +1,11 @@
 """Fixed-size KV blocks with reference counts, an LRU free queue and the prefix-cache index."""
 from __future__ import annotations
 
-from collections import OrderedDict
+import secrets
+from collections import OrderedDict, deque
 from dataclasses import dataclass
+from itertools import islice
+from typing import Callable, Iterable
 
 
 @dataclass
@@ -11,6 +14,48 @@ class BlockPoolStats:
     num_free: int
     num_cached: int
     evictions: int
+
+
+@dataclass(frozen=True)
+class KeyEvents:
+    """How the cache index changed since event `since` of log `epoch`: the keys added and the keys evicted (a key's
+    last event decides), or every key held now (`snapshot`: no `since` was given, the log no longer holds the events
+    after it, or `epoch` names another log, e.g. before the engine restarted). `seq`: ask for events since it next."""
+
+    epoch: str
+    seq: int
+    added: tuple[bytes, ...]
+    evicted: tuple[bytes, ...] = ()
+    snapshot: bool = False
+
+    def only(self, keep: Callable[[bytes], bool]) -> KeyEvents:
+        return KeyEvents(self.epoch, self.seq, tuple(filter(keep, self.added)), tuple(filter(keep, self.evicted)),
+                         self.snapshot)
+
+
+class KeyEventLog:
+    """The last `capacity` changes of a cache index, numbered from 1, so a router can follow the index by diffs."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"key event log capacity must be >= 1, got {capacity}")
+        self.epoch = secrets.token_hex(8)  # a fresh log (a restarted engine) is never mistaken for the old one
+        self.seq = 0
+        self._events: deque[tuple[bytes, bool]] = deque(maxlen=capacity)
+
+    def record(self, key: bytes, added: bool) -> None:
+        self.seq += 1
+        self._events.append((key, added))
+
+    def since(self, seq: int | None, epoch: str | None, held: Callable[[], Iterable[bytes]]) -> KeyEvents:
+        first = self.seq - len(self._events)  # the log holds events first+1 .. self.seq
+        if seq is None or epoch != self.epoch or not first <= seq <= self.seq:
+            return KeyEvents(self.epoch, self.seq, tuple(held()), snapshot=True)
+        last: dict[bytes, bool] = {}
+        for key, added in islice(self._events, seq - first, None):
+            last[key] = added
+        return KeyEvents(self.epoch, self.seq, tuple(k for k, a in last.items() if a),
+                         tuple(k for k, a in last.items() if not a))
 
 
 class BlockPool:
@@ -33,6 +78,8 @@ class BlockPool:
         self._cached: dict[bytes, int] = {}
         self._evictions = 0
         self.peak_in_use = 0  # most blocks referenced at once
+        # twice the blocks: a router polling every ~0.5 s never falls behind unless the whole cache turns over twice
+        self.key_log = KeyEventLog(max(4096, 2 * num_blocks))
 
     @property
     def num_free_blocks(self) -> int:
@@ -85,6 +132,7 @@ class BlockPool:
             return False
         self._hash[block_id] = block_hash
         self._cached[block_hash] = block_id
+        self.key_log.record(block_hash, True)
         return True
 
     def uncache(self, block_id: int, block_hash: bytes) -> None:
@@ -92,6 +140,7 @@ class BlockPool:
         if self._hash[block_id] == block_hash:
             self._hash[block_id] = None
             del self._cached[block_hash]
+            self.key_log.record(block_hash, False)
 
     def holds(self, block_id: int, block_hash: bytes) -> bool:
         """Whether the block is still indexed under `block_hash` (not evicted and handed out again)."""
@@ -101,9 +150,14 @@ class BlockPool:
         return self._ref[block_id]
 
     def reset_cache(self) -> None:
-        for block_id in list(self._cached.values()):
+        for block_hash, block_id in self._cached.items():
             self._hash[block_id] = None
+            self.key_log.record(block_hash, False)
         self._cached.clear()
+
+    def key_events(self, since: int | None, epoch: str | None) -> KeyEvents:
+        """The cache index's changes since event `since` of log `epoch`, or a snapshot of it (KeyEvents)."""
+        return self.key_log.since(since, epoch, self._cached.keys)
 
     def stats(self) -> BlockPoolStats:
         return BlockPoolStats(self.num_blocks, len(self._free), len(self._cached), self._evictions)
@@ -114,3 +168,4 @@ class BlockPool:
             del self._cached[block_hash]
             self._hash[block_id] = None
             self._evictions += 1
+            self.key_log.record(block_hash, False)

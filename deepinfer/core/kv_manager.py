@@ -15,9 +15,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from deepinfer.core.block_pool import BlockPool
+from deepinfer.core.block_pool import BlockPool, KeyEvents
 from deepinfer.core.kv_layout import NULL_BLOCK, SWA_MODES, KVGroup, KVLayout, default_keep_tokens
-from deepinfer.core.prefix_cache import extend_block_keys, root_key
+from deepinfer.core.prefix_cache import DIGEST_SIZE, extend_block_keys, root_key
 from deepinfer.core.request import Request
 
 
@@ -47,7 +47,8 @@ class ReplayStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, model_key: str,
-                 layout: KVLayout | None = None, swa_mode: str = "compact", keep_tokens: int | None = None) -> None:
+                 layout: KVLayout | None = None, swa_mode: str = "compact", keep_tokens: int | None = None,
+                 rollback_margin: int = 0) -> None:
         if swa_mode not in SWA_MODES:
             raise ValueError(f"sliding-window prefix mode must be one of {SWA_MODES}, got {swa_mode!r}")
         self.block_size = block_size
@@ -58,7 +59,7 @@ class KVCacheManager:
         self.swa_mode = swa_mode
         windows = [w for w in self.windows if w is not None]
         self.keep_tokens = keep_tokens if keep_tokens is not None else (
-            default_keep_tokens(max(windows), block_size) if windows else None)
+            default_keep_tokens(max(windows), block_size, rollback_margin) if windows else None)
         if self.keep_tokens is not None and windows and self.keep_tokens < max(windows):
             raise ValueError(f"keep_tokens={self.keep_tokens} is shorter than the sliding window {max(windows)}")
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -82,6 +83,12 @@ class KVCacheManager:
 
     def replay_stats(self) -> ReplayStats:
         return ReplayStats(*self._replay)
+
+    def key_events(self, since: int | None, epoch: str | None = None) -> KeyEvents:
+        """The first layer group's cached block keys, added and evicted since event `since` of log `epoch` (or a
+        snapshot): the request's own key chain, which a router matches. Other groups' keys are left out; with sliding
+        windows a key held there can still give a shorter hit (find_cached_prefix)."""
+        return self.pool.key_events(since, epoch).only(lambda key: len(key) == DIGEST_SIZE)  # _key(h, 0) is h
 
     def update_keys(self, request: Request) -> None:
         """Extends request.block_hashes over its full blocks (the KV store needs them even with caching off)."""

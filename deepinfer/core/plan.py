@@ -47,6 +47,9 @@ class StepPlan:
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     num_tokens: dict[str, int] = field(default_factory=dict)  # tokens each request computes this step
     sample_ids: list[str] = field(default_factory=list)  # requests whose step reaches their last token: they sample
+    # speculative decoding: draft tokens appended after a request's last known token this step (counted in
+    # num_tokens); the worker verifies them and samples one more
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     finished_ids: list[str] = field(default_factory=list)  # the worker drops their state
     preempted_ids: list[str] = field(default_factory=list)
     # structured output: allowed-token masks (bool [V]) for constrained requests that sample this step,
@@ -71,6 +74,7 @@ class StepPlan:
             self,
             num_tokens={r: n for r, n in self.num_tokens.items() if r not in drop},
             sample_ids=[r for r in self.sample_ids if r not in drop],
+            spec_token_ids={r: v for r, v in self.spec_token_ids.items() if r not in drop},
             kv_loads={r: v for r, v in self.kv_loads.items() if r not in drop},
             kv_saves={r: v for r, v in self.kv_saves.items() if r not in drop},
         )
@@ -78,10 +82,15 @@ class StepPlan:
 
 @dataclass
 class StepResult:
+    # per request the tokens it emits this step: one, or with drafts the accepted ones and the target's next
     sampled: dict[str, list[int]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # the proposer's drafts for the next step
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     expert_counts: list[list[int]] | None = None  # per MoE layer, per expert: tokens routed this step (EPLB input)
+    # expert parallelism: per MoE layer, per rank, the (token, expert) rows its slots computed this step (moe_lb input)
+    expert_rank_loads: list[list[int]] | None = None
     # request id -> how many of its kv_loads (leading, in order) arrived intact. A request listed here
     # was left out of this step's forward; the scheduler recomputes from its first failed block.
     kv_load_failures: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # worker seconds: prepare, forward, sample

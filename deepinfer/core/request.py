@@ -31,6 +31,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # one per full block of known tokens
     num_preemptions: int = 0
     use_kv_store: bool = True  # False after a failed store load on a layer-group model: recompute instead
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify at the next step
+    num_draft_tokens: int = 0  # drafts verified so far
+    num_accepted_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,6 +8,7 @@ from deepinfer.config import SchedulerConfig
 from deepinfer.core.kv_manager import KVCacheManager
 from deepinfer.core.plan import CachedRequestData, KVBlockRef, NewRequestData, StepPlan, StepResult
 from deepinfer.core.request import Request, RequestStatus
+from deepinfer.core.spec import SpecDecodeStats
 
 if TYPE_CHECKING:
     from deepinfer.kvstore.connector import KVStoreConnector
@@ -34,6 +35,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._tail_saves: dict[str, list[KVBlockRef]] = {}
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -74,19 +76,25 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.can_allocate(request, n):
+            drafts = self._drafts_to_verify(request, n, budget)
+            while not self.kv.can_allocate(request, n + len(drafts)):
+                if drafts:  # drop the drafts before preempting anyone
+                    drafts = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 plan.preempted_ids.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                new_blocks = self.kv.allocate(request, n)
+                new_blocks = self.kv.allocate(request, n + len(drafts))
                 plan.cached_requests.append(
                     CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
                 )
-                self._plan_tokens(plan, request, n)
-                budget -= n
+                if drafts:
+                    plan.spec_token_ids[request.request_id] = drafts
+                self._plan_tokens(plan, request, n, len(drafts))
+                budget -= n + len(drafts)
                 i += 1
         if not plan.preempted_ids:
             budget = self._admit_waiting(plan, budget)
@@ -134,8 +142,20 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _plan_tokens(self, plan: StepPlan, request: Request, n: int) -> None:
-        plan.num_tokens[request.request_id] = n
+    def _drafts_to_verify(self, request: Request, n: int, budget: int) -> list[int]:
+        """The request's drafts that fit this step: after all its known tokens, within the token budget, and no more
+        than it could still emit (the target adds one token after the accepted drafts)."""
+        drafts = request.spec_token_ids
+        if not drafts or request.num_computed_tokens + n != request.num_tokens:
+            return []
+        room = min(budget - n, self.max_model_len - request.num_tokens - 1)
+        if request.params.max_tokens is not None:
+            room = min(room, request.params.max_tokens - len(request.output_token_ids) - 1)
+        return drafts[: max(room, 0)]
+
+    def _plan_tokens(self, plan: StepPlan, request: Request, n: int, num_drafts: int = 0) -> None:
+        """n known tokens (and num_drafts drafts after them) computed this step; only known tokens are saved."""
+        plan.num_tokens[request.request_id] = n + num_drafts
         if request.num_computed_tokens + n == request.num_tokens:
             plan.sample_ids.append(request.request_id)
         self._plan_saves(plan, request, n)
@@ -149,6 +169,7 @@ class Scheduler:
             plan.kv_saves[request.request_id] = [KVBlockRef(k, b, ttl_class) for k, b in filled]
 
     def _preempt(self, request: Request) -> None:
+        request.spec_token_ids = []
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -166,14 +187,26 @@ class Scheduler:
                 continue  # aborted or preempted while the step ran
             if request_id in result.kv_load_failures:
                 continue  # left out of the forward; the rest is computed from the next step on
-            request.num_computed_tokens += n
-            self.kv.cache_computed(request)  # before a stop frees the blocks
-            for token in result.sampled.get(request_id, ()):
+            sampled = result.sampled.get(request_id, ())
+            drafted = len(plan.spec_token_ids.get(request_id, ()))
+            if drafted:  # the KV of rejected drafts is overwritten when those positions are computed again
+                accepted = max(len(sampled) - 1, 0)
+                n -= drafted - accepted
+                self.spec_stats.record(drafted, accepted)
+                request.num_draft_tokens += drafted
+                request.num_accepted_tokens += accepted
+            request.spec_token_ids = result.draft_token_ids.get(request_id, [])
+            stop = None
+            for token in sampled:
                 request.output_token_ids.append(token)
-                reason = self._stop_reason(request, token)
-                if reason is not None:
-                    self.finish(request_id, *reason)
+                stop = self._stop_reason(request, token)
+                if stop is not None:
                     break
+            # accepted drafts are computed; a stop inside them leaves the rest unknown
+            request.num_computed_tokens = min(request.num_computed_tokens + n, request.num_tokens)
+            self.kv.cache_computed(request)  # before a stop frees the blocks; rejected drafts lie beyond it
+            if stop is not None:
+                self.finish(request_id, *stop)
             advanced.append(request)
         return advanced
 
@@ -202,6 +235,8 @@ class Scheduler:
         later step like a prompt chunk. Applies the stop conditions; returns how many were appended."""
         request = self.requests.get(request_id)
         appended = 0
+        if request is not None and tokens:
+            request.spec_token_ids = []  # drafted before these tokens existed
         for token in tokens:
             if request is None or request.is_finished:
                 break

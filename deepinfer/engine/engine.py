@@ -1,6 +1,7 @@
 """The one loop: add_request / abort_request / step. Not thread-safe: one thread owns an Engine."""
 from __future__ import annotations
 
+import copy
 import logging
 import secrets
 import time
@@ -9,19 +10,23 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.config import EngineConfig
+from deepinfer.config import EngineConfig, resolve_compute
 from deepinfer.core.kv_layout import KVLayout, layout_from_specs
+from deepinfer.core.block_pool import KeyEvents
 from deepinfer.core.kv_manager import KVCacheManager, ReplayStats
 from deepinfer.core.request import Request
 from deepinfer.core.scheduler import Scheduler
+from deepinfer.core.spec import SpecDecodeStats
 from deepinfer.engine.io import RequestState, new_sequence, record_step_metrics
 from deepinfer.kvstore.connector import KVStoreConnector, KVStoreConnectorStats, model_identity
 from deepinfer.engine.structured import StructuredOutputs
+from deepinfer.engine.timing import StepTimes
 from deepinfer.models.loader import load_model_files, load_tokenizer
 from deepinfer.outputs import RequestMetrics, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.models.registry import model_class
-from deepinfer.worker.executor import Executor, InProcessExecutor
+from deepinfer.worker.ep_executor import EPExecutor, MoELoadStats, make_executor
+from deepinfer.worker.executor import Executor
 from deepinfer.worker.model_builder import TORCH_DTYPES, architecture_of
 from deepinfer.worker.runner import kv_bytes_per_block
 
@@ -42,10 +47,32 @@ class EngineStats:
     kv_store: KVStoreConnectorStats | None = None  # None: no KV store configured
     prefix_replay: ReplayStats | None = None  # sliding-window hybrids: hits shortened by dropped window KV
     peak_kv_blocks: int = 0  # most blocks held by requests at once since start-up
+    moe_load: MoELoadStats | None = None  # expert parallelism only: moe_lb over the last moe_lb_window steps
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding only: drafted and accepted tokens
 
 
-def default_kv_cache_memory() -> int:
-    """A fifth of the available RAM, between 256 MiB and 4 GiB."""
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """What a router needs of this engine (router/policy.py: ReplicaReport): its load now and its cached keys."""
+
+    queued_prefill_tokens: int  # prompt tokens waiting or admitted but not yet computed
+    queued_prefill_pairs: int  # their causal attention (query, key) pairs
+    running_requests: int  # sequences past their prefill
+    running_context_tokens: int  # tokens those attend over
+    waiting_requests: int
+    kv_usage: float
+    stats: EngineStats
+    keys: KeyEvents  # the first layer group's block keys, a diff or a snapshot
+    model_key: str  # the root of every key chain (core/prefix_cache.root_key), with block_size
+    block_size: int
+
+
+def default_kv_cache_memory(device: str = "cpu") -> int:
+    """On a CPU, a fifth of the available RAM, between 256 MiB and 4 GiB; on a GPU, 80% of its free memory once
+    the weights are loaded (as vLLM's gpu_memory_utilization leaves headroom for activations)."""
+    if device.startswith("cuda"):
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free * 0.8)
     available = 4 << 30
     try:
         with open("/proc/meminfo") as f:
@@ -89,11 +116,12 @@ class Engine:
         mc, cc = config.model, config.cache
         native_len = int(files.hf_config.get("max_position_embeddings") or 2048)
         max_len = mc.max_model_len or native_len
-        self.executor: Executor = InProcessExecutor(config, files, max_len)
+        self.compute = resolve_compute(mc, files.fmt, torch.cuda.is_available())
+        self.executor: Executor = make_executor(config, files, max_len, self.compute)
         specs = self.executor.kv_cache_specs()
         layout = layout_from_specs(specs)
-        per_block = kv_bytes_per_block(specs, cc.block_size, TORCH_DTYPES[mc.dtype], layout)
-        budget = cc.kv_cache_memory or default_kv_cache_memory()
+        per_block = kv_bytes_per_block(specs, cc.block_size, TORCH_DTYPES[self.compute.dtype], layout)
+        budget = cc.kv_cache_memory or default_kv_cache_memory(self.compute.device)
         num_blocks = budget // per_block
         chunk = config.scheduler.max_num_batched_tokens
         capacity = _max_tokens_fitting(layout, num_blocks, cc.block_size, chunk)
@@ -107,9 +135,11 @@ class Engine:
             max_len = capacity
         self.max_model_len = max_len
         self.num_blocks = num_blocks
-        model_key = model_identity(files.path, files.hf_config, mc.dtype, config.batch_invariant)
+        model_key = model_identity(files.path, files.hf_config, self.compute.name, config.batch_invariant)
+        spec = config.spec
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, model_key, layout,
-                                 cc.swa_prefix_mode, cc.swa_keep_tokens)
+                                 cc.swa_prefix_mode, cc.swa_keep_tokens,
+                                 rollback_margin=spec.num_speculative_tokens if spec.enabled else 0)
 
         # ---- KV store (issue 5): the scheduler half asks it, the worker half loads and saves blocks
         self.kv_store = KVStoreConnector.open(config.kv_store, cc.block_size)
@@ -126,10 +156,12 @@ class Engine:
         self._children: dict[str, tuple[str, int]] = {}
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self.step_times = StepTimes()  # cumulative; see engine/timing.py
+        self._spec_counts: dict[str, dict[int, tuple[int, int]]] = {}  # request -> sequence -> (drafted, accepted)
         logger.info(
             "loaded %s (%s, %s) in %.1fs; KV cache: %d blocks x %d tokens x %d layers (%.1f MiB); one sequence fits "
             "%d tokens; max_model_len %d",
-            files.path, files.hf_config["architectures"][0], mc.dtype, time.perf_counter() - started,
+            files.path, files.hf_config["architectures"][0], self.compute.name, time.perf_counter() - started,
             num_blocks, cc.block_size, layout.layers_per_group, num_blocks * per_block / 2**20, capacity, max_len,
         )
         if layout.is_hybrid:
@@ -218,6 +250,7 @@ class Engine:
 
     def abort_request(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)
+        self._spec_counts.pop(request_id, None)
         if state is None:
             return
         for i, seq in enumerate(state.sequences):
@@ -232,14 +265,34 @@ class Engine:
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        clock = time.perf_counter()
         plan = self.scheduler.schedule()
         if self.structured:
             plan.grammar_masks = self.structured.masks(plan)
         plan.appended_token_ids, self._appended = self._appended, {}
+        clock = self._lap("schedule", clock)
         result = self.executor.execute(plan)
+        for phase, seconds in result.timings.items():
+            self.step_times.add(phase, seconds)
+        clock = time.perf_counter()
         advanced = self.scheduler.update(plan, result)
         if self.structured:
             self._advance_grammars(advanced, result)
+        clock = self._lap("update", clock)
+        self.step_times.steps += 1
+        outputs = self._outputs(advanced, result)
+        self._lap("output", clock)
+        if self.scheduler.has_pending_saves() and not self.scheduler.has_unfinished():
+            self.executor.execute(self.scheduler.schedule())  # idle now: hand finished tails to the KV store
+        return outputs
+
+    def _lap(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.step_times.add(phase, now - since)
+        return now
+
+    def _outputs(self, advanced: list[Request], result) -> list[RequestOutput]:
+        """Detokenizes and applies stop strings for the requests that advanced; their outputs."""
         now = time.time()
         touched: dict[str, RequestState] = {}
         for request in advanced:
@@ -261,19 +314,24 @@ class Engine:
             if request.is_finished:
                 seq.finish_reason, seq.stop_reason = request.finish_reason, request.stop_reason
             record_step_metrics(state, request, now)
+            if request.num_draft_tokens:
+                self._spec_counts.setdefault(parent_id, {})[index] = (request.num_draft_tokens,
+                                                                      request.num_accepted_tokens)
+                counts = self._spec_counts[parent_id].values()
+                state.metrics.num_draft_tokens = sum(d for d, _ in counts)
+                state.metrics.num_accepted_tokens = sum(a for _, a in counts)
             touched[parent_id] = state
         outputs = []
         for parent_id, state in touched.items():
             if state.finished:
                 state.metrics.finished_time = now
                 del self._states[parent_id]
+                self._spec_counts.pop(parent_id, None)
                 for i in range(len(state.sequences)):
                     child_id = parent_id if len(state.sequences) == 1 else f"{parent_id}#{i}"
                     self._children.pop(child_id, None)
                     self.structured.remove(child_id)
             outputs.append(state.to_output())
-        if self.scheduler.has_pending_saves() and not self.scheduler.has_unfinished():
-            self.executor.execute(self.scheduler.schedule())  # idle now: hand finished tails to the KV store
         return outputs
 
     def _advance_grammars(self, advanced, result) -> None:
@@ -320,4 +378,19 @@ class Engine:
             kv_store=None if self.kv_store is None else self.kv_store.stats(),
             prefix_replay=self.kv.replay_stats() if self.kv.layout.is_hybrid else None,
             peak_kv_blocks=self.kv.pool.peak_in_use,
+            moe_load=self.executor.load_stats() if isinstance(self.executor, EPExecutor) else None,
+            spec_decode=copy.deepcopy(self.scheduler.spec_stats) if self.config.spec.enabled else None,
         )
+
+    def replica_status(self, since: int | None = None, epoch: str | None = None) -> ReplicaStatus:
+        """Load figures and the cached-key changes since event `since` of log `epoch` (a snapshot without them)."""
+        running = self.scheduler.running
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens <= 1]
+        prefilling = [*self.scheduler.waiting, *(r for r in running if r.num_tokens - r.num_computed_tokens > 1)]
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in prefilling)
+        # causal (query, key) pairs of positions start..end-1, as router.policy.attention_pairs counts them
+        pairs = sum((r.num_tokens * (r.num_tokens + 1) - r.num_computed_tokens * (r.num_computed_tokens + 1)) // 2
+                    for r in prefilling)
+        context = sum(r.num_tokens for r in decoding)
+        return ReplicaStatus(queued, pairs, len(decoding), context, len(self.scheduler.waiting), self.kv.usage(),
+                             self.stats(), self.kv.key_events(since, epoch), self.kv.model_key, self.kv.block_size)

@@ -46,9 +46,34 @@ class StructuredOutputs:
     def __bool__(self) -> bool:
         return bool(self._matchers)
 
-    def masks(self, plan: StepPlan) -> dict[str, torch.Tensor]:
-        """Allowed-token masks for constrained sequences that sample a token this step."""
-        return {rid: self._matchers[rid].allowed_mask() for rid in plan.sample_ids if rid in self._matchers}
+    def masks(self, plan: StepPlan) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+        """Allowed-token masks for constrained sequences that sample a token this step. A sequence with speculative
+        drafts gets one mask per verified row; its drafts are cut at the first one the grammar refuses (the plan's
+        token count with them), and the matcher is rolled back to where it was."""
+        masks: dict[str, torch.Tensor | list[torch.Tensor]] = {}
+        for rid in plan.sample_ids:
+            matcher = self._matchers.get(rid)
+            if matcher is None:
+                continue
+            drafts = plan.spec_token_ids.get(rid)
+            if not drafts:
+                masks[rid] = matcher.allowed_mask()
+                continue
+            rows, accepted = [matcher.allowed_mask()], 0
+            for token in drafts:
+                if matcher.is_terminated() or not matcher.accept_token(token):
+                    break
+                accepted += 1
+                rows.append(matcher.allowed_mask())
+            matcher.rollback(accepted)
+            if accepted < len(drafts):
+                plan.num_tokens[rid] -= len(drafts) - accepted
+                if accepted:
+                    plan.spec_token_ids[rid] = drafts[:accepted]
+                else:
+                    del plan.spec_token_ids[rid]
+            masks[rid] = rows if accepted else rows[0]
+        return masks
 
     def only_stop_allowed(self, request_id: str) -> bool:
         """Whether the request is constrained and its grammar complete: the next token can only be a stop token."""

@@ -1,6 +1,8 @@
 """Paged attention: write this step's K/V into cache slots, then attend through block tables."""
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,14 +35,18 @@ class Attention(nn.Module):
         self.scale = scale
         self.cache_index = cache_index
         self.sliding_window = sliding_window
+        self.ops: ModuleType | None = None  # fused CPU cache write (transforms/fused_ops.py); None: index_copy_
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv] -> [T, H * Dv]."""
         ctx = get_forward_context()
         md = ctx.attn_for(self.cache_index)
         k_cache, v_cache = ctx.kv_caches[self.cache_index]
-        k_cache.index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
+        if self.ops is not None and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype:
+            self.ops.cache_write(k, v, k_cache, v_cache, md.slot_mapping)
+        else:
+            k_cache.index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
         kernels = ctx.cpu_kernels if self.head_dim == self.v_head_dim in (64, 128, 256) \
             and q.dtype == k_cache.dtype == torch.float32 else None
         if ctx.batch_invariant:

@@ -66,7 +66,7 @@ class MLAttention(nn.Module):
             self.q_a_layernorm = RMSNorm(q_lora_rank, eps)
             self.q_b_proj = Linear(q_lora_rank, num_heads * qk_head_dim)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps)
-        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
+        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), quantizable=False)
         self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=bias)
 
     @property

@@ -6,16 +6,21 @@ Routing (DeepSeek-V2/V3, Qwen-MoE, Mixtral are all special cases):
   group-limited: keep the `topk_group` best of `n_group` expert groups, scored by
                  the sum of each group's top-2 choices (noaux_tc) or its max score (group_limited_greedy)
   ids = top-k(choice); weights = scores[ids], / sum if norm_topk_prob, * routed_scaling_factor
+
+Experts: a token's k (token, choice) rows are sorted by expert, each expert's rows go through one grouped GEMM per
+projection, and a token's k outputs are added back in choice order. Expert parallelism (distributed/expert_parallel.py)
+swaps FusedExperts for a module with the same call that holds only one rank's experts.
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from deepinfer.layers.linear import Linear
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 GROUP_SCORES = ("top2_sum", "max")
@@ -86,11 +91,7 @@ class TopKRouter(nn.Module):
 
 
 class FusedExperts(nn.Module):
-    """All routed experts' SwiGLU weights in two stacked tensors: gate|up [E, 2I, H] and down [E, H, I].
-
-    Tokens are sorted by expert so each active expert runs one matmul over all its tokens; the k expert
-    outputs of a token are then summed in slot order, which depends only on that token's own routing.
-    """
+    """All routed experts' SwiGLU weights in two stacked tensors: gate|up [E, 2I, H] and down [E, H, I]."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -99,7 +100,7 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
 
-    def checkpoint_loaders(self, prefix: str) -> dict[str, Callable[[torch.Tensor], None]]:
+    def checkpoint_loaders(self, prefix: str, shard_name: Callable | None = None) -> dict[str, Callable[[torch.Tensor], None]]:
         """Per-expert checkpoint tensor name (`{prefix}.{e}.gate_proj.weight`, ...) -> the function loading it."""
         return {
             f"{prefix}.{e}.{proj}.weight": (lambda t, e=e, proj=proj: self.load_expert(e, proj, t))
@@ -118,50 +119,136 @@ class FusedExperts(nn.Module):
             raise ValueError(f"shape mismatch for expert {expert} {proj}: checkpoint {tuple(tensor.shape)}, expected {tuple(target.shape)}")
         target.copy_(tensor)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [T, H], ids / weights [T, k], counts [E] (tokens per expert) -> [T, H]."""
-        t, k = ids.shape
-        order = ids.flatten().argsort(stable=True)
-        xs = x[order // k]  # row j of xs is (token, slot) order[j]
-        out = torch.empty_like(xs)
-        start = 0
-        for expert, n in enumerate(counts.tolist()):
-            if n == 0:
-                continue
-            rows = slice(start, start + n)
-            gate, up = F.linear(xs[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            out[rows] = F.linear(F.silu(gate) * up, self.down_proj[expert])
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], ids / weights [T, k] -> [T, H]."""
+        order, counts = sort_rows(ids.flatten(), self.num_experts)
+        out = grouped_swiglu(x[order // ids.shape[1]], self.gate_up_proj, self.down_proj, counts.tolist())
+        return combine(out, order, weights)
+
+
+# MKL computes a GEMM row with the same bits whatever the row count M only while M is a multiple of 4 (measured at
+# 1, 2, 4 and 8 threads: a row differs in the last bit when M is 2-3, and with 2 or 8 threads also at 5-7 and 9-11),
+# and a single row (M = 1) by a matrix-vector path of its own, 3x faster at decode batch 1. So an expert's rows are
+# padded to a multiple of 4 unless the expert has a single row in the whole step (never split, and its row never
+# meets another): a row's output then does not depend on how many rows share its expert, which the replicas of
+# expert parallelism change (tests/distributed/test_expert_parallel.py).
+GROUP_ROWS = 4
+
+
+def sort_rows(groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """groups [R]: the group (expert or slot) of each flat (token, choice) row -> (the rows sorted by group, stably;
+    rows per group [num_groups])."""
+    return groups.argsort(stable=True), torch.bincount(groups, minlength=num_groups)
+
+
+def grouped_swiglu(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: list[int],
+                   expert_rows: list[int] | None = None) -> torch.Tensor:
+    """down_g(silu(gate_g x) * up_g x) for each row x of group g: xs [R, H] sorted by group, counts[g] rows each,
+    gate_up [G, 2I, H], down [G, H, I] -> [R, H]. expert_rows[g]: the rows of group g's expert in the whole step
+    (more than counts[g] when replicas share them; default counts). A group is padded with zero rows to a multiple
+    of GROUP_ROWS unless its expert has a single row (the pad rows are dropped from the output)."""
+    padded = [n if total == 1 else -(-n // GROUP_ROWS) * GROUP_ROWS for n, total in zip(counts, expert_rows or counts)]
+    rows, keep = xs, None
+    if padded != counts:
+        n, p = torch.tensor(counts), torch.tensor(padded)
+        shift = (p.cumsum(0) - p) - (n.cumsum(0) - n)  # where each group starts, padded minus unpadded
+        keep = (torch.arange(xs.shape[0]) + shift.repeat_interleave(n)).to(xs.device)
+        rows = xs.new_zeros(sum(padded), xs.shape[1])
+        rows[keep] = xs
+    gate, up = _grouped_linear(rows, gate_up, padded).chunk(2, dim=-1)
+    out = _grouped_linear(F.silu(gate) * up, down, padded)
+    return out if keep is None else out[keep]
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """x W_g^T for the rows of each group g: one torch._grouped_mm call on a CPU (a loop of GEMMs inside torch, the
+    same bits as the Python loop below, without a Python step per expert); elsewhere one F.linear per group."""
+    if x.device.type == "cpu" and hasattr(torch, "_grouped_mm"):
+        offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    start = 0
+    for g, n in enumerate(counts):
+        if n:
+            out[start : start + n] = F.linear(x[start : start + n], weight[g])
             start += n
-        per_slot = torch.empty_like(out)
-        per_slot[order] = out
-        combined = (per_slot.view(t, k, -1).float() * weights[..., None]).sum(dim=1)
-        return combined.to(x.dtype)
+    return out
+
+
+def combine(out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out [T*k, H]: row j is the expert output of flat (token, choice) row order[j]; weights [T, k] -> [T, H].
+    A token's k outputs are weighted and added left to right in choice order, in float32: the sum depends only on
+    the token's own routing, never on the batch or on where its experts ran."""
+    t, k = weights.shape
+    per_choice = torch.empty_like(out)
+    per_choice[order] = out
+    per_choice = per_choice.view(t, k, -1).float()
+    acc = per_choice[:, 0] * weights[:, :1]
+    for j in range(1, k):
+        acc = acc + per_choice[:, j] * weights[:, j : j + 1]
+    return acc.to(out.dtype)
+
+
+@dataclass
+class MoEStep:
+    """What one forward's MoE layers report, scoped with `with moe_step(MoEStep()):` around the forward and read by
+    whoever opened it once the forward is done (the worker puts it on the step result). Keyed by `MoE.moe_index`."""
+
+    expert_counts: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> tokens per logical expert [E]
+    rank_loads: dict[int, list[int]] = field(default_factory=dict)  # expert parallelism: layer -> rows per rank
+    exchange_bytes: int = 0  # expert parallelism: bytes one rank received for the combine, all layers
+
+    def counts(self) -> list[list[int]] | None:
+        """Per MoE layer (in order), tokens routed to each expert; None if no MoE layer ran."""
+        return [self.expert_counts[i].tolist() for i in sorted(self.expert_counts)] or None
+
+
+_STEP: contextvars.ContextVar[MoEStep | None] = contextvars.ContextVar("deepinfer_moe_step", default=None)
+
+
+@contextlib.contextmanager
+def moe_step(step: MoEStep) -> Iterator[MoEStep]:
+    if _STEP.get() is not None:
+        raise RuntimeError("MoE step contexts do not nest")
+    token = _STEP.set(step)
+    try:
+        yield step
+    finally:
+        _STEP.reset(token)
+
+
+def current_moe_step() -> MoEStep | None:
+    """The open MoEStep, or None: then the layers report nothing."""
+    return _STEP.get()
 
 
 class MoE(nn.Module):
-    """Routed experts plus optional always-on shared experts; counts tokens per expert for load balancing."""
+    """Routed experts plus optional always-on shared experts. Reports tokens per expert to the open MoEStep."""
 
-    def __init__(self, gate: TopKRouter, experts: FusedExperts, shared_experts: nn.Module | None = None) -> None:
+    def __init__(self, gate: TopKRouter, experts: nn.Module, shared_experts: nn.Module | None = None) -> None:
         super().__init__()
         if gate.num_experts != experts.num_experts:
             raise ValueError(f"router has {gate.num_experts} experts, expert weights {experts.num_experts}")
         self.gate = gate
-        self.experts = experts
+        self.experts = experts  # FusedExperts, or one rank's share of them under expert parallelism
         self.shared_experts = shared_experts
-        self.register_buffer("expert_counts", torch.zeros(gate.num_experts, dtype=torch.int64), persistent=False)
+        self.moe_index: int | None = None  # place among the main model's MoE layers (see number_moe_layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        counts = torch.bincount(ids.flatten(), minlength=self.gate.num_experts)
-        self.expert_counts += counts
-        out = self.experts(x, ids, weights, counts)
+        step = current_moe_step()
+        if step is not None and self.moe_index is not None:
+            step.expert_counts[self.moe_index] = torch.bincount(ids.flatten(), minlength=self.gate.num_experts)
+        out = self.experts(x, ids, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
-    def pop_expert_counts(self) -> list[int]:
-        """Tokens routed to each expert since the last call (a token counts once for each of its k experts)."""
-        counts = self.expert_counts.tolist()
-        self.expert_counts.zero_()
-        return counts
 
+def number_moe_layers(mlps: Iterable[nn.Module]) -> list[MoE]:
+    """The MoE layers among a model's per-layer MLPs, in order, each told its index (the EPLB layer index). MoE
+    layers outside the main stack (MTP) keep None and report nothing."""
+    layers = [m for m in mlps if isinstance(m, MoE)]
+    for index, moe in enumerate(layers):
+        moe.moe_index = index
+    return layers

@@ -2,6 +2,8 @@
 so every scaling type a config names (linear, llama3, yarn, ...) matches the reference exactly."""
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
@@ -36,8 +38,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
         self.rotary_dim = inv_freq.numel() * 2
         self.interleaved = interleaved
+        self.ops: ModuleType | None = None  # fused CPU op, in place (transforms/fused_ops.py); None: torch ops
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ops is not None and not self.interleaved and q.dtype == k.dtype == torch.float32 \
+                and _heads_contiguous(q) and _heads_contiguous(k):
+            self.ops.rotary_(q, k, positions, self.cos, self.sin)  # the same products and sums, rounded alike
+            return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
@@ -51,3 +58,7 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = rot[..., :half].float(), rot[..., half:].float()
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
         return torch.cat((out, rest), dim=-1) if rest.numel() else out
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from deepinfer.layers.mla import MLAttention
-from deepinfer.layers.moe import FusedExperts, MoE, TopKRouter
+from deepinfer.layers.moe import FusedExperts, MoE, TopKRouter, number_moe_layers
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding, rope_frequencies
 from deepinfer.core.kv_layout import KVCacheSpec
@@ -146,6 +146,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         )
         self.model = DeepseekV3Model(config, rotary)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        number_moe_layers(layer.mlp for layer in self.model.layers)
         self.mtp: MultiTokenPredictor | None = None
         if num_mtp:
             self.mtp = MultiTokenPredictor([self._mtp_layer(config, rotary, k) for k in range(num_mtp)])
@@ -167,9 +168,9 @@ class DeepseekV3ForCausalLM(CausalLM):
         """One single-head K row per token and layer: latent + RoPE key; no V (MLA recovers it from the latent)."""
         return [KVCacheSpec(1, layer.self_attn.cache_entry_dim, 0) for layer in self.model.layers]
 
-    def pop_expert_counts(self) -> list[list[int]]:
-        """Per MoE layer of the main model, tokens routed to each expert since the last call."""
-        return [layer.mlp.pop_expert_counts() for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+    def moe_layers(self) -> list[MoE]:
+        """The main model's MoE layers in order (MTP's are not among them): EPLB's layer index is the place here."""
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
 
     def draft_logits(
         self, hidden: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, depth: int = 0

@@ -7,9 +7,9 @@ scaled by query_pre_attn_scalar**-0.5 rather than head_dim**-0.5, optional final
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.layers.activation import ActAndMul
 from deepinfer.layers.attention import Attention
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.norm import RMSNorm
@@ -92,10 +92,10 @@ class Gemma3MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate])
         self.down_proj = Linear(intermediate, hidden)
+        self.act = ActAndMul("gelu_tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -18,6 +18,9 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from tqdm.auto import tqdm
 
+from deepinfer.models.gguf_blocks import SUPPORTED, canonical
+from deepinfer.ops.quant_linear import Canonical
+
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 
@@ -73,6 +76,24 @@ class GGUFTensorInfo:
     qtype: QType
     offset: int  # absolute byte offset in the file
     nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFQuantized:
+    """A 2-d tensor kept in its GGUF blocks: raw [rows, bytes per row] (a view of the mapped file, or a copy with
+    rows reordered). Layers that compute on quantized weights take it as is; every other loader dequantizes it."""
+
+    name: str
+    qtype: QType
+    shape: tuple[int, int]
+    raw: np.ndarray
+
+    def dense(self) -> torch.Tensor:
+        blocks = self.raw.reshape(gguf.quant_shape_to_byte_shape(self.shape, self.qtype))
+        return torch.from_numpy(np.array(gguf.quants.dequantize(blocks, self.qtype), dtype=np.float32))
+
+    def canonical(self) -> Canonical:
+        return canonical(self.qtype, self.raw, self.shape)
 
 
 @dataclass(frozen=True)
@@ -266,18 +287,28 @@ def dequantize_tensor(buf: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
         raise ValueError(message) from None
 
 
-def iter_gguf_weights(f: GGUFFile, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (Hugging Face name, tensor) in dtype, undoing the converter's edits to the weights."""
+def iter_gguf_weights(f: GGUFFile, dtype: torch.dtype, keep_quantized: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor | GGUFQuantized]]:
+    """Yields (Hugging Face name, tensor) in dtype, undoing the converter's edits to the weights. With
+    keep_quantized, 2-d tensors of a type the quantized kernels compute on are yielded as GGUFQuantized."""
     cfg = gguf_hf_config(f)
     arch = f.architecture
     buf = np.memmap(f.path, dtype=np.uint8, mode="r")
     show = len(f.tensors) >= 50
     for info in tqdm(f.tensors, desc="Loading GGUF weights", disable=None if show else True, leave=False):
         name = hf_tensor_name(arch, info.name)
-        w = dequantize_tensor(buf, info)
+        rope_heads = None
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
-            w = _unpermute_rope_rows(w, heads)
+            rope_heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+        if keep_quantized and info.qtype in SUPPORTED and len(info.shape) == 2:
+            raw = buf[info.offset : info.offset + info.nbytes].reshape(info.shape[0], -1)
+            if rope_heads is not None:  # rows are independent: reorder them in their blocks
+                raw = np.ascontiguousarray(_unpermute_rope_rows(raw, rope_heads))
+            yield name, GGUFQuantized(name, info.qtype, info.shape, raw)
+            continue
+        w = dequantize_tensor(buf, info)
+        if rope_heads is not None:
+            w = _unpermute_rope_rows(w, rope_heads)
         elif arch == "gemma3" and "norm" in name:
             # convert_hf_to_gguf stores Gemma's RMSNorm weight w as w + 1 (it scales by 1 + w).
             w = w - 1

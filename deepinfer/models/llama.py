@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.layers.activation import ActAndMul
 from deepinfer.layers.attention import Attention
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.norm import RMSNorm
@@ -45,10 +45,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.act = ActAndMul("silu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

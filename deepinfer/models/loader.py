@@ -118,10 +118,11 @@ def load_model_files(model: str | None, cache_dir: str | None = None) -> ModelFi
     return ModelFiles(path, "gguf", gguf_hf_config(read_gguf(path)))
 
 
-def iter_weights(files: ModelFiles, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (Hugging Face tensor name, tensor in dtype). A tied lm_head is not yielded when the file lacks it."""
+def iter_weights(files: ModelFiles, dtype: torch.dtype, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+    """Yields (Hugging Face tensor name, tensor in dtype). A tied lm_head is not yielded when the file lacks it.
+    keep_quantized: GGUF tensors the quantized kernels compute on come as GGUFQuantized blocks instead."""
     if files.fmt == "gguf":
-        yield from iter_gguf_weights(read_gguf(files.path), dtype)
+        yield from iter_gguf_weights(read_gguf(files.path), dtype, keep_quantized)
         return
     if files.fmt != "safetensors":
         raise ValueError(f"model format {files.fmt!r} is not supported; expected 'safetensors' or 'gguf'")

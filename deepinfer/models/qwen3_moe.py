@@ -1,7 +1,7 @@
 """Qwen3-MoE: Qwen3 attention (QK norm) with softmax top-k routed experts and no shared expert."""
 from __future__ import annotations
 
-from deepinfer.layers.moe import FusedExperts, MoE, TopKRouter
+from deepinfer.layers.moe import FusedExperts, MoE, TopKRouter, number_moe_layers
 from deepinfer.models.llama import Qwen3ForCausalLM
 
 
@@ -21,8 +21,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                 gate = TopKRouter(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                                   scoring_func="softmax", norm_topk_prob=bool(config.norm_topk_prob))
                 layer.mlp = MoE(gate, FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size))
+        number_moe_layers(layer.mlp for layer in self.model.layers)
 
-    def pop_expert_counts(self) -> list[list[int]]:
-        """Per MoE layer, tokens routed to each expert since the last call."""
-        return [layer.mlp.pop_expert_counts() for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+    def moe_layers(self) -> list[MoE]:
+        """The MoE layers in order: EPLB's layer index is the place here."""
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
 

@@ -1,8 +1,9 @@
 """Checkpoint tensors -> parameters: the one weight-loading mechanism every model uses.
 
-Each parameter is reached through the checkpoint name that feeds it: a fused Linear shard by the name the model's
-`stacked` map gives it back (qkv_proj shard 0 -> q_proj), a module that loads its own weights (fused experts) by the
-names its `checkpoint_loaders(prefix)` lists, every other parameter by its own name.
+Each parameter is reached through the checkpoint name that feeds it: a module that loads its own weights (Linear,
+fused experts, quantized layers) by the names its `checkpoint_loaders(prefix, shard_name)` lists, a fused shard by
+the name the model's `stacked` map gives it back (qkv_proj shard 0 -> q_proj), every other parameter by its own
+name.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from deepinfer.layers.linear import Linear
+from deepinfer.models.gguf_file import GGUFQuantized
 
 Loader = Callable[[torch.Tensor], None]
 
@@ -19,24 +20,31 @@ Loader = Callable[[torch.Tensor], None]
 def checkpoint_loaders(model: nn.Module, stacked: dict[str, tuple[str, int]]) -> dict[str, Loader]:
     """Every checkpoint tensor a model expects -> the function that loads it.
 
-    `stacked` maps a checkpoint name fragment to (fused parameter fragment, shard index)."""
+    `stacked` maps a checkpoint name fragment to (fused parameter fragment, shard index). Quantized blocks (GGUF
+    tensors kept as they are) reach only modules that declare `takes_quantized`; every other module gets them
+    dequantized to float32."""
     unstack = {(fused, shard): fragment for fragment, (fused, shard) in stacked.items()}
+
+    def shard_name(name: str, shard: int, num_shards: int) -> str:
+        return _unstacked_name(name, shard, unstack) if num_shards > 1 else name
+
     loaders: dict[str, Loader] = {}
     for prefix, module in model.named_modules():
         own = getattr(module, "checkpoint_loaders", None)
         if callable(own) and module is not model:
-            loaders.update(own(prefix))
+            entries = own(prefix, shard_name)
+            if not getattr(module, "takes_quantized", False):
+                entries = {name: _dense_input(load) for name, load in entries.items()}
+            loaders.update(entries)
             continue
         dot = f"{prefix}." if prefix else ""
         for leaf, param in module.named_parameters(recurse=False):
-            name = dot + leaf
-            if isinstance(module, Linear):
-                for shard in range(len(module.shards)):
-                    ckpt = _unstacked_name(name, shard, unstack) if len(module.shards) > 1 else name
-                    loaders[ckpt] = lambda t, m=module, leaf=leaf, shard=shard: m.load_shard(leaf, t, shard)
-            else:
-                loaders[name] = lambda t, p=param, name=name: _copy_checked(p, t, name)
+            loaders[dot + leaf] = _dense_input(lambda t, p=param, name=dot + leaf: _copy_checked(p, t, name))
     return loaders
+
+
+def _dense_input(load: Loader) -> Loader:
+    return lambda t: load(t.dense() if isinstance(t, GGUFQuantized) else t)
 
 
 def load_tensors(loaders: dict[str, Loader], weights: Iterable[tuple[str, torch.Tensor]],

@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer.config import EngineConfig
+from deepinfer.config import Compute, EngineConfig
 from deepinfer.core.kv_layout import KVCacheSpec, KVLayout
 from deepinfer.core.plan import StepPlan, StepResult
+from deepinfer.layers.moe import MoEStep, moe_step
 from deepinfer.models.loader import ModelFiles, iter_weights
-from deepinfer.ops import cpu_attention
+from deepinfer.ops import cpu_attention, cpu_ops
 from deepinfer.worker.kv_transfer import KVBlockTransfer
 from deepinfer.worker.model_builder import TORCH_DTYPES, build_model
 from deepinfer.worker.runner import ModelRunner
@@ -49,12 +50,22 @@ class Executor(ABC):
 class InProcessExecutor(Executor):
     """One ModelRunner in the engine's own process and thread."""
 
-    def __init__(self, config: EngineConfig, files: ModelFiles, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, files: ModelFiles, max_model_len: int, compute: Compute) -> None:
         self.config = config
-        mc = config.model
-        self.dtype = TORCH_DTYPES[mc.dtype]
-        self.model = build_model(files.hf_config, iter_weights(files, self.dtype), mc.dtype, mc.device,
-                                 max_model_len, batch_invariant=config.batch_invariant)
+        self.device = compute.device
+        self.dtype = TORCH_DTYPES[compute.dtype]
+        ops = cpu_ops.load() if config.cpu_kernels and compute.device == "cpu" else None
+        glue = ops is not None and self.dtype == torch.float32 and config.fused_ops
+        logger.info("compiled CPU ops: %s", "off (DEEPINFER_CPU_KERNELS=0 or not a CPU)" if ops is None else
+                    f"{ops.isa()}; quantized linear layers: {'yes' if compute.quantization else 'no'}; fused "
+                    f"norm / activation / rotary / cache write: {'yes' if glue else 'no (DEEPINFER_FUSED_OPS=0 or dtype ' + compute.dtype + ')'}"
+                    f"{' (rotary and cache write only: batch-invariant mode)' if glue and config.batch_invariant else ''}")
+        if compute.quantization is not None and ops is None:
+            logger.info("quantized layers compute on dequantized float32 weights (no compiled ops)")
+        weights = iter_weights(files, self.dtype, keep_quantized=compute.quantization == "gguf")
+        self.model = build_model(files.hf_config, weights, compute.dtype, compute.device, max_model_len,
+                                 batch_invariant=config.batch_invariant, quantization=compute.quantization,
+                                 ops=ops, fused_glue=glue)
         self.runner: ModelRunner | None = None
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
@@ -63,12 +74,13 @@ class InProcessExecutor(Executor):
     def initialize_cache(self, num_blocks: int, layout: KVLayout, kv_store: KVStoreConnector | None) -> None:
         if self.runner is not None:
             raise RuntimeError("initialize_cache was already called")
-        mc, cc = self.config.model, self.config.cache
+        cc = self.config.cache
         kernels = None
-        if self.config.cpu_kernels and mc.device == "cpu" and self.dtype == torch.float32:
+        if self.config.cpu_kernels and self.device == "cpu" and self.dtype == torch.float32:
             kernels = cpu_attention.load()  # built once per machine (about a minute), then cached by torch
-        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.dtype, mc.device,
-                                  self.config.batch_invariant, layout, kernels)
+        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.dtype, self.device,
+                                  self.config.batch_invariant, layout, kernels, self.config.spec,
+                                  self.config.enable_mtp_varlen)
         if kv_store is not None:
             self.runner.kv_transfer = KVBlockTransfer(kv_store.store, kv_store.saver, self.runner.slot_caches,
                                                       num_blocks, cc.block_size)
@@ -76,4 +88,7 @@ class InProcessExecutor(Executor):
     def execute(self, plan: StepPlan) -> StepResult:
         if self.runner is None:
             raise RuntimeError("execute before initialize_cache")
-        return self.runner.execute(plan)
+        with moe_step(MoEStep()) as moe:  # MoE layers report their routing counts here (EPLB input)
+            result = self.runner.execute(plan)
+        result.expert_counts = moe.counts()
+        return result

@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import logging
+from types import ModuleType
 
 import torch
 
 from deepinfer.models.registry import model_class
+from deepinfer.ops.cpu_ops import cpu_isa_flags
+from deepinfer.transforms.fused_ops import enable_fused_ops
+from deepinfer.transforms.onednn import native_bf16, prepack_bf16_linears
+from deepinfer.transforms.quantize import finalize_quantized, prepare_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -34,19 +39,37 @@ def architecture_of(hf_config: dict) -> str:
 
 
 def build_model(hf_config: dict, weights, dtype: str, device: str, max_positions: int,
-                batch_invariant: bool = False) -> torch.nn.Module:
+                batch_invariant: bool = False, quantization: str | None = None, ops: ModuleType | None = None,
+                fused_glue: bool = False) -> torch.nn.Module:
+    """quantization: None (dense weights in dtype) or a transforms/quantize.py mode; its layers compute with the
+    compiled ops (ops/cpu_ops.py), or on dequantized float32 weights when `ops` is None. fused_glue: norms,
+    activations, rotary and cache writes through the compiled ops too (transforms/fused_ops.py)."""
     klass = model_class(architecture_of(hf_config))
     config = hf_config_object(hf_config)
     torch_dtype = TORCH_DTYPES[dtype]
     with torch.device(device):
         model = klass(config, max_positions)
+    summary = prepare_quantized(model, quantization, ops) if quantization else None
     model.load_weights(weights)
+    if summary is not None:
+        summary = finalize_quantized(model, summary)
+        logger.info("quantization %s: %d layers on packed blocks (%.1f MiB)%s", summary.mode, summary.quantized,
+                    summary.weight_bytes / 2**20, f"; dense: {', '.join(summary.dense)}" if summary.dense else "")
     keep = getattr(model, "fp32_param_suffixes", ())
     for name, param in model.named_parameters():  # buffers (RoPE tables) stay float32
         if not (keep and name.endswith(keep)):
             param.data = param.data.to(torch_dtype)
-    if batch_invariant:  # a transform after build: model files stay unchanged
+    if batch_invariant:  # a transform after build: model files stay unchanged (quantized layers already are)
         from deepinfer.transforms.batch_invariant import make_batch_invariant
 
         make_batch_invariant(model)
+    if fused_glue and ops is not None:
+        enable_fused_ops(model, ops, exact_only=batch_invariant)
+    if torch_dtype == torch.bfloat16 and device == "cpu" and not batch_invariant:
+        if native_bf16(cpu_isa_flags()):
+            logger.info("bfloat16: %d linear layers pre-packed for oneDNN", prepack_bf16_linears(model))
+        else:
+            logger.warning("this CPU has no native bfloat16 (AVX512-BF16 or AMX): bfloat16 matmuls run in slow "
+                           "emulation, 10-100x slower than float32 on an AVX2-only machine; use the default "
+                           "(quantized for GGUF) or --dtype float32")
     return model.eval()

@@ -1,20 +1,23 @@
-"""StepPlan -> input tensors -> forward -> sample -> StepResult."""
+"""StepPlan -> input tensors -> forward -> sample (or verify drafts) -> StepResult."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from deepinfer.config import SpecConfig
+from deepinfer.core.kv_layout import KVCacheSpec, KVLayout, layout_from_specs
 from deepinfer.core.plan import StepPlan, StepResult
-from deepinfer.layers.context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
-from deepinfer.core.kv_layout import KVLayout, layout_from_specs
-from deepinfer.core.kv_layout import KVCacheSpec
+from deepinfer.layers.context import ForwardContext, forward_context
 from deepinfer.sample.logprobs import compute_prompt_logprobs
 from deepinfer.sample.sampler import Sampler, SamplingRow
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.worker.inputs import RequestRows, build_inputs
+from deepinfer.worker.speculative import DraftState, draft_length, propose, record_acceptance, verify
 
 if TYPE_CHECKING:
     from deepinfer.worker.kv_transfer import KVBlockTransfer
@@ -28,6 +31,12 @@ class _RequestState:
     params: SamplingParams
     seed: int
     eos_token_ids: frozenset[int]
+    drafting: DraftState = field(default_factory=DraftState)
+
+    def sampling_row(self, mask: torch.Tensor | None) -> SamplingRow:
+        return SamplingRow(self.params, self.seed, len(self.token_ids) - self.num_prompt_tokens,
+                           self.token_ids[: self.num_prompt_tokens], self.token_ids[self.num_prompt_tokens :],
+                           self.eos_token_ids, mask)
 
 
 def kv_bytes_per_block(specs: list[KVCacheSpec], block_size: int, dtype: torch.dtype,
@@ -40,17 +49,10 @@ def kv_bytes_per_block(specs: list[KVCacheSpec], block_size: int, dtype: torch.d
         * elem * block_size
 
 
-def decode_buckets(widths: list[int], min_rows: int = 8, keep: float = 0.6) -> list[tuple[int, int, int]]:
-    """Cuts decode rows, sorted by table width descending, into runs whose narrowest row keeps at least `keep` of
-    the widest one's blocks (runs of at least `min_rows` rows): (start row, end row, width) each."""
-    out, i = [], 0
-    while i < len(widths):
-        j = i + 1
-        while j < len(widths) and (j - i < min_rows or widths[j] >= keep * widths[i]):
-            j += 1
-        out.append((i, j, widths[i]))
-        i = j
-    return out
+def _lap(result: StepResult, phase: str, since: float) -> float:
+    now = time.perf_counter()
+    result.timings[phase] = result.timings.get(phase, 0.0) + now - since
+    return now
 
 
 class ModelRunner:
@@ -58,8 +60,11 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
                  batch_invariant: bool = False, layout: KVLayout | None = None,
-                 cpu_kernels: ModuleType | None = None) -> None:
+                 cpu_kernels: ModuleType | None = None, spec: SpecConfig | None = None,
+                 varlen: bool = True) -> None:
         self.model = model
+        self.spec = spec if spec is not None and spec.enabled else None
+        self.varlen = varlen
         self.batch_invariant = batch_invariant
         self.cpu_kernels = cpu_kernels  # compiled attention (ops/cpu_attention.py); None: torch ops
         self.block_size = block_size
@@ -112,106 +117,77 @@ class ModelRunner:
                 plan = plan.without(result.kv_load_failures)
         if not plan.num_tokens:
             return result
-        computed = {r.request_id: r.num_computed_tokens for r in plan.new_requests}
-        computed.update({r.request_id: r.num_computed_tokens for r in plan.cached_requests})
-        # Decodes (one token) first, longest context first, so they form a few batched attention calls.
-        order = sorted(plan.num_tokens, key=lambda rid: (plan.num_tokens[rid] != 1, -computed[rid]))
-        num_decodes = sum(1 for rid in order if plan.num_tokens[rid] == 1)
-
-        input_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        sample_rows: list[int] = []
-        sample_ids: list[str] = []
-        prompt_lp: list[tuple[str, int, int]] = []  # (request, first row, number of rows)
-        tables: list[list[list[int]]] = []  # per request, per group
-        spans: list[tuple[int, int, int]] = []  # per request: first row, tokens, context length after the step
-        for rid in order:
-            state = self._requests[rid]
-            start, n = computed[rid], plan.num_tokens[rid]
-            row = len(input_ids)
-            input_ids.extend(state.token_ids[start : start + n])
-            positions.append(np.arange(start, start + n, dtype=np.int64))
-            tables.append(state.block_ids)
-            spans.append((row, n, start + n))
-            if start + n == len(state.token_ids):
-                sample_rows.append(row + n - 1)
-                sample_ids.append(rid)
-            if state.params.prompt_logprobs is not None and start + 1 < state.num_prompt_tokens:
-                prompt_lp.append((rid, row, min(n, state.num_prompt_tokens - 1 - start)))
-
-        pos = np.concatenate(positions)
-        positions_t = torch.from_numpy(pos).to(self.device)
-        # every group's table has the same length per request: one cut into length runs serves them all
-        buckets = decode_buckets([len(t[0]) for t in tables[:num_decodes]]) if num_decodes else None
-        group_md = [self._metadata([t[g] for t in tables], positions, spans, num_decodes, pos, buckets)
-                    for g in range(len(self.layout.groups))]
-        layer_attn = [group_md[g] for g, _ in self._placement] if len(group_md) > 1 else None
-        ctx = ForwardContext(attn=group_md[0], kv_caches=self.kv_caches, positions=positions_t,
-                             batch_invariant=self.batch_invariant, layer_attn=layer_attn,
+        clock = time.perf_counter()
+        inputs = build_inputs(plan, {rid: self._requests[rid].token_ids for rid in plan.num_tokens},
+                              {rid: self._requests[rid].block_ids for rid in plan.num_tokens}, self.layout,
+                              self.block_size, self.device)
+        md = inputs.group_metadata
+        ctx = ForwardContext(attn=md[0], kv_caches=self.kv_caches, positions=inputs.positions,
+                             batch_invariant=self.batch_invariant,
+                             layer_attn=[md[g] for g, _ in self._placement] if len(md) > 1 else None,
                              cpu_kernels=self.cpu_kernels)
+        clock = _lap(result, "prepare", clock)
         with forward_context(ctx):
-            hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=self.device), positions_t)
-        pop_counts = getattr(self.model, "pop_expert_counts", None)
-        if pop_counts is not None:
-            result.expert_counts = pop_counts()
-
-        for rid, row, count in prompt_lp:
-            state = self._requests[rid]
-            start = computed[rid]
-            logits = self.model.compute_logits(hidden[row : row + count])
-            next_ids = state.token_ids[start + 1 : start + 1 + count]
-            result.prompt_logprobs[rid] = compute_prompt_logprobs(logits, next_ids, state.params.prompt_logprobs)
-
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-            rows = []
-            for rid in sample_ids:
-                s = self._requests[rid]
-                rows.append(
-                    SamplingRow(
-                        params=s.params,
-                        seed=s.seed,
-                        position=len(s.token_ids) - s.num_prompt_tokens,
-                        prompt_token_ids=s.token_ids[: s.num_prompt_tokens],
-                        output_token_ids=s.token_ids[s.num_prompt_tokens :],
-                        eos_token_ids=s.eos_token_ids,
-                        allowed_token_mask=plan.grammar_masks.get(rid),
-                    )
-                )
-            out = self.sampler(logits, rows)
-            for rid, token, lp in zip(sample_ids, out.token_ids, out.logprobs):
-                self._requests[rid].token_ids.append(token)
-                result.sampled[rid] = [token]
-                if lp is not None:
-                    result.logprobs[rid] = [lp]
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        self._prompt_logprobs(inputs.requests, hidden, result)
+        sampling = [r for r in inputs.requests if r.samples]
+        if sampling:
+            rows = torch.tensor([r.first_row + r.num_known - 1 + i for r in sampling for i in range(1 + len(r.drafts))],
+                                device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            clock = _lap(result, "forward", clock)
+            self._sample(sampling, logits, plan.grammar_masks, result, len(inputs.input_ids))
+            _lap(result, "sample", clock)
+        else:
+            _lap(result, "forward", clock)
         if self.kv_transfer is not None:  # KV store: save the blocks this forward filled
             self.kv_transfer.save(plan)
         return result
 
-    def _metadata(self, tables: list[list[int]], positions: list[np.ndarray], spans: list[tuple[int, int, int]],
-                  num_decodes: int, pos: np.ndarray, buckets: list[tuple[int, int, int]] | None
-                  ) -> AttentionMetadata:
-        """One layer group's attention metadata: cache slots of this step's tokens, decode tables, prefills."""
-        bs = self.block_size
-        slots = np.empty_like(pos)
-        for table, p, (row, n, _) in zip(tables, positions, spans):
-            slots[row : row + n] = np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs
-        decode_tables = decode_lens = None
-        if num_decodes:
-            width = max(len(t) for t in tables[:num_decodes])
-            padded = np.zeros((num_decodes, width), dtype=np.int64)
-            for i, t in enumerate(tables[:num_decodes]):
-                padded[i, : len(t)] = t
-            decode_tables = torch.from_numpy(padded).to(self.device)
-            decode_lens = torch.from_numpy(pos[:num_decodes] + 1).to(self.device)
-        prefills = [PrefillSeq(row, n, end, torch.tensor(table, dtype=torch.int64))
-                    for table, (row, n, end) in zip(tables[num_decodes:], spans[num_decodes:])]
-        return AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(self.device),
-            num_decodes=num_decodes,
-            decode_block_tables=decode_tables,
-            decode_context_lens=decode_lens,
-            prefills=prefills,
-            block_size=bs,
-            decode_buckets=buckets,
-        )
+    def _prompt_logprobs(self, requests: list[RequestRows], hidden: torch.Tensor, result: StepResult) -> None:
+        for r in requests:
+            state = self._requests[r.request_id]
+            if state.params.prompt_logprobs is None or r.start + 1 >= state.num_prompt_tokens:
+                continue
+            count = min(r.num_known, state.num_prompt_tokens - 1 - r.start)
+            logits = self.model.compute_logits(hidden[r.first_row : r.first_row + count])
+            next_ids = state.token_ids[r.start + 1 : r.start + 1 + count]
+            result.prompt_logprobs[r.request_id] = compute_prompt_logprobs(logits, next_ids,
+                                                                           state.params.prompt_logprobs)
+
+    def _sample(self, sampling: list[RequestRows], logits: torch.Tensor, masks: dict, result: StepResult,
+                batch_rows: int) -> None:
+        """Plain rows through the sampler in one call; requests with drafts through verification; then drafts."""
+        plain = [i for i, r in enumerate(sampling) if not r.drafts]
+        offsets = np.cumsum([0] + [1 + len(r.drafts) for r in sampling])
+        if plain:
+            index = torch.tensor([int(offsets[i]) for i in plain], device=logits.device)
+            rows = [self._requests[sampling[i].request_id].sampling_row(masks.get(sampling[i].request_id))
+                    for i in plain]
+            out = self.sampler(logits[index], rows)
+            for i, token, lp in zip(plain, out.token_ids, out.logprobs):
+                self._emit(sampling[i].request_id, [token], [lp], result)
+        for i, r in enumerate(sampling):
+            if not r.drafts:
+                continue
+            state = self._requests[r.request_id]
+            request_masks = masks.get(r.request_id)
+            if request_masks is not None and not isinstance(request_masks, list):
+                request_masks = [request_masks]
+            tokens, lps = verify(self.sampler, logits[int(offsets[i]) : int(offsets[i + 1])],
+                                 state.sampling_row(None), r.drafts, request_masks or [])
+            record_acceptance(state.drafting, len(r.drafts), len(tokens) - 1)
+            self._emit(r.request_id, tokens, lps, result)
+        if self.spec is not None:
+            for r in sampling:
+                state = self._requests[r.request_id]
+                length = draft_length(self.spec, self.varlen, state.drafting, batch_rows)
+                drafts = propose(self.spec, np.asarray(state.token_ids, dtype=np.int64), length)
+                if drafts:
+                    result.draft_token_ids[r.request_id] = drafts
+
+    def _emit(self, request_id: str, tokens: list[int], logprobs: list, result: StepResult) -> None:
+        self._requests[request_id].token_ids.extend(tokens)
+        result.sampled[request_id] = tokens
+        if logprobs and logprobs[0] is not None:
+            result.logprobs[request_id] = logprobs

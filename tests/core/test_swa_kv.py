@@ -108,12 +108,14 @@ def test_compact_keeps_the_last_keep_tokens_and_replays_at_most_keep_tokens():
         hit = plan.new_requests[0].num_computed_tokens
         replayed = s.kv.replay_stats().replayed_tokens - before
         assert hit + replayed == cut
+        assert replayed <= keep, (cut, replayed, keep)
         if cut >= 65 - keep + W - 1:
             assert replayed == 0, cut
         for g in sliding:  # the hit's table: nothing before its window, cached blocks inside it
             table = plan.new_requests[0].block_ids[g][: hit // BS]
             assert all(b == 0 for b in table[: max(0, hit - W) // BS])
-    assert s.kv.replay_stats().max_replayed_tokens <= 64
+    stats = s.kv.replay_stats()
+    assert stats.hits > 0 and 0 < stats.max_replayed_tokens <= keep  # some branch replayed, none more than promised
 
 
 def test_null_entries_are_never_freed_twice_and_everything_returns():

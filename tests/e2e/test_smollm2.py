@@ -67,14 +67,14 @@ def test_engine_options_do_not_change_greedy_output(baseline, options):
     prompts, params, batched = baseline
     if options.get("max_num_seqs") == 1:  # one at a time: keep it to the alone targets
         prompts, batched = prompts[:ALONE], batched[:ALONE]
-    llm = LLM(kv_cache_memory=256 << 20, **options)
+    llm = LLM(dtype="float32", kv_cache_memory=256 << 20, **options)
     _check_all(batched, llm.generate(prompts, params, use_tqdm=False), str(options))
 
 
 def test_warm_prefix_cache_gives_same_tokens_and_reports_cached(smol):
     system = "<|im_start|>system\nYou are a terse assistant who answers in one sentence.<|im_end|>\n"
     prompts = [system + f"<|im_start|>user\nTell me about the number {i}.<|im_end|>\n<|im_start|>assistant\n" for i in range(4)]
-    cold = LLM(kv_cache_memory=256 << 20, enable_prefix_caching=False).generate(prompts, GREEDY, use_tqdm=False)
+    cold = LLM(dtype="float32", kv_cache_memory=256 << 20, enable_prefix_caching=False).generate(prompts, GREEDY, use_tqdm=False)
     smol.generate(prompts[:1], GREEDY, use_tqdm=False)
     warm = smol.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in cold]
@@ -84,7 +84,7 @@ def test_warm_prefix_cache_gives_same_tokens_and_reports_cached(smol):
 
 def test_preemption_under_memory_pressure_loses_nothing(baseline):
     prompts, params, batched = baseline
-    llm = LLM(kv_cache_memory=12 << 20, max_model_len=256)  # ~270 tokens of KV for 16 requests: forces preemption
+    llm = LLM(dtype="float32", kv_cache_memory=12 << 20, max_model_len=256)  # ~270 tokens of KV for 16 requests: forces preemption
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.stats().num_preemptions > 0
     _check_all(batched, outs, "preemption")

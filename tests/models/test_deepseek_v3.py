@@ -123,26 +123,22 @@ def test_kv_cache_stores_only_latent_and_rope_key(pair):
 def test_expert_counts_sum_to_tokens_times_top_k(pair):
     _, path = pair
     llm = LLM(path, kv_cache_memory=4 << 20, enable_prefix_caching=False, num_threads=1)
-    model = llm.engine.executor.runner.model
-    model.pop_expert_counts()
-    runner, steps = llm.engine.executor.runner, []
-    execute = runner.execute
+    executor, steps = llm.engine.executor, []
+    execute = executor.execute
 
-    def recording(plan):  # the runner moves each step's counts onto StepResult.expert_counts (the EPLB input)
+    def recording(plan):  # each step's routing counts travel on StepResult.expert_counts (the EPLB input)
         result = execute(plan)
-        steps.append(result.expert_counts)
+        steps.append((plan.total_tokens, result.expert_counts))
         return result
 
-    runner.execute = recording
+    executor.execute = recording
     ours_greedy(llm, PROMPTS, 4)
-    tokens = sum(len(p) + 4 - 1 for p in PROMPTS)  # prompts, then one fed-back token per later step
-    steps = [s for s in steps if s is not None]
-    counts = [[sum(step[i][e] for step in steps) for e in range(len(steps[0][i]))] for i in range(len(steps[0]))]
-    assert len(counts) == BASE["num_hidden_layers"] - BASE["first_k_dense_replace"]
-    for layer in counts:
-        assert len(layer) == BASE["n_routed_experts"]
-        assert sum(layer) == tokens * BASE["num_experts_per_tok"]
-    assert all(sum(layer) == 0 for layer in model.pop_expert_counts())
+    assert sum(tokens for tokens, _ in steps) == sum(len(p) + 4 - 1 for p in PROMPTS)
+    for tokens, counts in steps:
+        assert len(counts) == BASE["num_hidden_layers"] - BASE["first_k_dense_replace"]
+        for layer in counts:
+            assert len(layer) == BASE["n_routed_experts"]
+            assert sum(layer) == tokens * BASE["num_experts_per_tok"]
 
 
 def test_grouped_router_selects_within_best_groups():

@@ -152,7 +152,7 @@ def test_gemma3_270m_greedy_tokens_match_transformers():
     cases = golden["cases"]
     prompts = [c["prompt_token_ids"] for c in cases]
     assert any(len(p) > golden["sliding_window"] for p in prompts)
-    llm = LLM(GEMMA3_270M, max_model_len=1024, kv_cache_memory=128 << 20)
+    llm = LLM(GEMMA3_270M, dtype="float32", max_model_len=1024, kv_cache_memory=128 << 20)
     assert llm.get_tokenizer()(cases[0]["prompt"]).input_ids == prompts[0]
     assert ours_greedy(llm, prompts, golden["steps"]) == [c["tokens"] for c in cases]
     if os.environ.get("DEEPINFER_REFERENCE") == "1":

@@ -27,14 +27,17 @@ def pair(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-def test_logits_tokens_and_expert_counts(pair, monkeypatch):
+def test_the_registry_serves_qwen3_moe():
+    assert "Qwen3MoeForCausalLM" in registry.supported_architectures()
+    assert registry.model_class("Qwen3MoeForCausalLM").__module__ == "deepinfer.models.qwen3_moe"
+
+
+def test_logits_tokens_and_expert_counts(pair):
     hf, path = pair
-    if "Qwen3MoeForCausalLM" not in registry.supported_architectures():
-        monkeypatch.setitem(registry._MODELS, "Qwen3MoeForCausalLM", ("deepinfer.models.qwen3_moe", "Qwen3MoeForCausalLM"))
     llm = LLM(path, kv_cache_memory=4 << 20, enable_prefix_caching=False, num_threads=1)
     model = llm.engine.executor.runner.model
-    runner, steps = llm.engine.executor.runner, []
-    execute = runner.execute
+    executor, steps = llm.engine.executor, []
+    execute = executor.execute
 
     def recording(plan):  # each step's expert counts travel on StepResult.expert_counts
         result = execute(plan)
@@ -42,7 +45,7 @@ def test_logits_tokens_and_expert_counts(pair, monkeypatch):
             steps.append(result.expert_counts)
         return result
 
-    runner.execute = recording
+    executor.execute = recording
     for prompt in PROMPTS:
         seen = record_logits(llm)
         (ours,) = ours_greedy(llm, [prompt], STEPS)

@@ -1,0 +1,1 @@
+"""Expert parallelism; eplb.py is the expert-placement policy (pure numpy, no torch)."""

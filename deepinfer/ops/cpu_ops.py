@@ -1,0 +1,60 @@
+"""deepinfer's compiled CPU ops, one extension module built from csrc/ (quantized-weight linear layers, the fused
+per-layer glue): g++ -O3 for this machine's instruction set through torch's cpp_extension, cached by torch.
+
+`load()` builds for the CPU it runs on (-march=native: AVX-512 VNNI, AVX2 with or without AVX-VNNI, or portable
+C++, chosen by what the CPU has); `load(isa)` forces a lower target, which tests use to check every path here.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger("deepinfer")
+
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+SOURCES = ("quant_linear.cpp", "layer_ops.cpp", "bindings.cpp")
+ISA_FLAGS = {
+    "native": ["-march=native"],
+    "avx2-vnni": ["-march=native", "-mno-avx512f", "-mavxvnni"],
+    "avx2": ["-march=native", "-mno-avx512f", "-mno-avxvnni"],
+    "generic": ["-march=x86-64"],
+}
+
+
+def cpu_isa_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.lru_cache(maxsize=None)
+def load(isa: str = "native") -> ModuleType | None:
+    """The compiled ops for `isa` (see ISA_FLAGS), built on first use; None if they cannot be built here (callers
+    then use torch ops: dequantized float32 weights for quantized layers)."""
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"isa must be one of {sorted(ISA_FLAGS)}, got {isa!r}")
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        tag = torch.backends.cpu.get_cpu_capability().lower() + ("" if isa == "native" else "_" + isa.replace("-", ""))
+        return load_extension(
+            name=f"deepinfer_cpu_ops_{tag}",
+            sources=[os.path.join(_CSRC, s) for s in SOURCES],
+            extra_cflags=["-O3", *ISA_FLAGS[isa], "-ffp-contract=off", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, no headers: torch ops still work
+        logger.warning("compiled CPU ops unavailable (%s: %s); using torch ops and dequantized float32 weights",
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None

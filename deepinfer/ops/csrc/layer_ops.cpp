@@ -1,0 +1,148 @@
+// The per-layer work between matmuls, fused: one call instead of five to ten small torch ops each. float32.
+// Every row is computed on its own, in an order fixed by its width: results do not depend on the batch, the
+// thread count or the tile a row falls in.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;  // independent partial sums per row: vectorisable without reassociating
+
+inline float sum_squares(const float* x, int64_t n) {
+  float part[kLanes] = {0.f};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) part[l] += x[i + l] * x[i + l];
+  for (int l = 0; i < n; ++i, ++l) part[l] += x[i] * x[i];
+  for (int w = kLanes / 2; w > 0; w /= 2)  // pairwise, fixed
+    for (int l = 0; l < w; ++l) part[l] += part[l + w];
+  return part[0];
+}
+
+}  // namespace
+
+// y = x / sqrt(mean(x^2) + eps) * (w + offset), rows of x [T, H] (any row stride). With `residual`, first
+// residual += x (in place) and the norm is taken of the sum: a decoder layer's add-then-norm in one pass.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset,
+                       c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1, "rms_norm: float32 [T, H] rows");
+  const int64_t T = x.size(0), H = x.size(1), sx = x.stride(0);
+  auto out = torch::empty({T, H}, x.options());
+  auto w = weight.contiguous();
+  std::vector<float> wo(H);
+  for (int64_t i = 0; i < H; ++i) wo[i] = w.data_ptr<float>()[i] + (float)offset;
+  float* res = nullptr;
+  int64_t sr = 0;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->scalar_type() == torch::kFloat32 && residual->size(0) == T && residual->size(1) == H &&
+                residual->stride(1) == 1, "rms_norm: residual must be float32 [T, H] rows");
+    res = residual->data_ptr<float>();
+    sr = residual->stride(0);
+  }
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = xp + t * sx;
+      if (res != nullptr) {
+        float* r = res + t * sr;
+        for (int64_t i = 0; i < H; ++i) r[i] += row[i];
+        row = r;
+      }
+      const float scale = 1.f / std::sqrt(sum_squares(row, H) / (float)H + (float)eps);
+      float* o = op + t * H;
+      for (int64_t i = 0; i < H; ++i) o[i] = (row[i] * scale) * wo[i];
+    }
+  });
+  return out;
+}
+
+// [T, 2I] (gate | up) -> act(gate) * up [T, I]; act: 0 SiLU, 1 GELU (tanh approximation).
+torch::Tensor act_and_mul(torch::Tensor x, int64_t act) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) % 2 == 0, "act_and_mul: float32 [T, 2I]");
+  x = x.contiguous();
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  auto out = torch::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = xp + t * 2 * I;
+      const float* u = g + I;
+      float* o = op + t * I;
+      if (act == 0) {
+        for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      } else {
+        const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+        for (int64_t i = 0; i < I; ++i) {
+          const float v = g[i];
+          o[i] = 0.5f * v * (1.f + std::tanh(k0 * (v + k1 * v * v * v))) * u[i];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// In place on q [T, Hq, D] and k [T, Hk, D] (views into the qkv output: any token stride, heads contiguous):
+// the first rotary_dim values of each head rotate by the position's angle in the rotate-half layout,
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, each product rounded, as the torch path computes it.
+void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32, "rotary_: float32 q, k");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
+              "rotary_: heads must be contiguous");
+  positions = positions.contiguous().to(torch::kInt64);
+  const int64_t T = q.size(0), half = cos.size(1), D = q.size(2);
+  TORCH_CHECK(2 * half <= D && cos.is_contiguous() && sin.is_contiguous(), "rotary_: bad cos / sin tables");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t max_pos = cos.size(0);
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary_: position out of range");
+  auto apply = [&](float* base, int64_t heads, int64_t stride) {
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* c = cp + pos[t] * half;
+        const float* s = sp + pos[t] * half;
+        for (int64_t h = 0; h < heads; ++h) {
+          float* x = base + t * stride + h * D;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = x[i], x2 = x[i + half];
+            const float a = x1 * c[i], b = x2 * s[i], e = x2 * c[i], f = x1 * s[i];
+            x[i] = a - b;
+            x[i + half] = e + f;
+          }
+        }
+      }
+    });
+  };
+  apply(q.data_ptr<float>(), q.size(1), q.stride(0));
+  apply(k.data_ptr<float>(), k.size(1), k.stride(0));
+}
+
+// k [T, Hk, D] and v [T, Hk, Dv] (views, heads contiguous) -> rows `slots` of the caches [S, Hk, D] / [S, Hk, Dv].
+void cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "cache_write: dtype mismatch");
+  slots = slots.contiguous().to(torch::kInt64);
+  const int64_t T = k.size(0), S = k_cache.size(0);
+  const int64_t kw = k.size(1) * k.size(2), vw = v.size(1) * v.size(2);
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2) &&
+              k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.numel() == S * kw &&
+              v_cache.numel() == S * vw, "cache_write: layout");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t es = k.element_size();
+  auto* kb = static_cast<char*>(k.data_ptr());
+  auto* vb = static_cast<char*>(v.data_ptr());
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "cache_write: slot out of range");
+    std::memcpy(kc + sl[t] * kw * es, kb + t * k.stride(0) * es, kw * es);
+    std::memcpy(vc + sl[t] * vw * es, vb + t * v.stride(0) * es, vw * es);
+  }
+}

@@ -1,0 +1,375 @@
+// Linear layers computed on block-quantized weights (GGUF's legacy and K formats, our int8/int4), as llama.cpp does:
+// activations are rounded to int8 per row and 32-value block, integer dot products per weight group, float scales.
+//
+// Packed weight of one layer (N output rows, padded to a multiple of 16, K inputs, groups of G values along K):
+//   quants  [N/16][K/G][16*G*BITS/8] bytes. A group record is 64-byte pieces; in each piece, bytes 4j..4j+3 belong
+//           to output row j of the 16 (lane j of a 512-bit register): 4 consecutive k for 8-bit quants; for 4-bit
+//           quants piece p holds k = 8p..8p+3 in the low nibbles and 8p+4..8p+7 in the high nibbles.
+//   scales  [N/16][K/G][16], fp16 or fp32; offsets the same (affine formats), or offset = c * scale (symmetric).
+//   A weight is w = scale * u + offset with u the unsigned quant (0..15 or 0..255).
+// Activations x [M, K] float32 -> xq int8 (round-to-nearest-even of x / d, d = max|x| / 127 per 32 values),
+// xd [M, K/32] the d's, xs [M, K/16] sums of xq per 16 values. Then per output (m, n), over groups g in order:
+//   acc += float(isum) * (scale * d) ; acc += offset * (d * float(xsum))        isum = sum u * xq (exact, int32)
+// Every output row of every activation row runs exactly this sequence, whatever M, the tile it falls in or the
+// thread that runs it: a row's result does not depend on the rest of the batch (batch invariance).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define DI_AVX512 1
+constexpr const char* kIsa = "avx512-vnni";
+constexpr int kMaxTile = 8;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVXVNNI__)
+#define DI_AVX2 1
+#define DI_AVXVNNI 1
+constexpr const char* kIsa = "avx2-vnni";
+constexpr int kMaxTile = 4;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define DI_AVX2 1
+constexpr const char* kIsa = "avx2";
+constexpr int kMaxTile = 4;
+#else
+constexpr const char* kIsa = "generic";
+constexpr int kMaxTile = 1;
+#endif
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while (!(mant & 0x400)) { mant <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000 | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float scalar_of(const float* p, int i) { return p[i]; }
+inline float scalar_of(const uint16_t* p, int i) { return half_to_float(p[i]); }
+
+// The unsigned quant of lane j, value i (0 <= i < G) of one group record.
+template <int BITS>
+inline int quant_at(const uint8_t* rec, int j, int i) {
+  if (BITS == 8) return rec[64 * (i / 4) + 4 * j + i % 4];
+  const uint8_t b = rec[64 * (i / 8) + 4 * j + i % 4];
+  return (i % 8) < 4 ? (b & 0x0F) : (b >> 4);
+}
+
+#if defined(DI_AVX512)
+template <typename ST> inline __m512 load16(const ST* p);
+template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <> inline __m512 load16<uint16_t>(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// MT activation rows x 16 output rows: out[m * ldo + 0..15].
+template <int MT, int BITS, int G, typename ST, bool AFF>
+void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
+          const int32_t* xs, int64_t K, float* out, int64_t ldo) {
+  constexpr int QB = 16 * G * BITS / 8;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* rec = q + g * QB;
+    const int64_t k0 = g * G;
+    __m512i isum[MT];
+    for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
+    if (BITS == 4) {
+      for (int p = 0; p < G / 8; ++p) {
+        const __m512i w = _mm512_loadu_si512(rec + 64 * p);
+        const __m512i wl = _mm512_and_si512(w, low);
+        const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* x = xq + m * K + k0 + 8 * p;
+          isum[m] = _mm512_dpbusd_epi32(isum[m], wl, _mm512_set1_epi32(load_i32(x)));
+          isum[m] = _mm512_dpbusd_epi32(isum[m], wh, _mm512_set1_epi32(load_i32(x + 4)));
+        }
+      }
+    } else {
+      for (int p = 0; p < G / 4; ++p) {
+        const __m512i w = _mm512_loadu_si512(rec + 64 * p);
+        for (int m = 0; m < MT; ++m)
+          isum[m] = _mm512_dpbusd_epi32(isum[m], w, _mm512_set1_epi32(load_i32(xq + m * K + k0 + 4 * p)));
+      }
+    }
+    const __m512 sv = load16(s + g * 16);
+    const __m512 ov = AFF ? load16(o + g * 16) : _mm512_mul_ps(sv, _mm512_set1_ps(c));
+    for (int m = 0; m < MT; ++m) {
+      const float d = xd[m * (K / 32) + k0 / 32];
+      const int32_t xsum = G == 32 ? xs[m * (K / 16) + 2 * g] + xs[m * (K / 16) + 2 * g + 1]
+                                   : xs[m * (K / 16) + g];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(sv, _mm512_set1_ps(d)), acc[m]);
+      acc[m] = _mm512_fmadd_ps(ov, _mm512_set1_ps(d * (float)xsum), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
+}
+
+#elif defined(DI_AVX2)
+template <typename ST> inline __m256 load8(const ST* p);
+template <> inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <> inline __m256 load8<uint16_t>(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// acc (8 lanes, 4 bytes each) += sum of 4 products u8 (w) x s8 (x). Without VNNI, maddubs sums pairs of products
+// into saturating int16, safe for 4-bit quants (2 * 15 * 127); an 8-bit quant is split into its two nibbles.
+template <int BITS>
+inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
+#if defined(DI_AVXVNNI)
+  return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (BITS == 4) return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, low), x), ones);
+  const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), low), x), ones);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(lo, _mm256_slli_epi32(hi, 4)));
+#endif
+}
+
+template <int MT, int BITS, int G, typename ST, bool AFF>
+void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
+          const int32_t* xs, int64_t K, float* out, int64_t ldo) {
+  constexpr int QB = 16 * G * BITS / 8;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int half = 0; half < 2; ++half) {  // lanes 0-7, then 8-15
+    __m256 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+      const uint8_t* rec = q + g * QB + 32 * half;
+      const int64_t k0 = g * G;
+      __m256i isum[MT];
+      for (int m = 0; m < MT; ++m) isum[m] = _mm256_setzero_si256();
+      if (BITS == 4) {
+        for (int p = 0; p < G / 8; ++p) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p));
+          const __m256i wl = _mm256_and_si256(w, low);
+          const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+          for (int m = 0; m < MT; ++m) {
+            const int8_t* x = xq + m * K + k0 + 8 * p;
+            isum[m] = dot4<4>(isum[m], wl, _mm256_set1_epi32(load_i32(x)));
+            isum[m] = dot4<4>(isum[m], wh, _mm256_set1_epi32(load_i32(x + 4)));
+          }
+        }
+      } else {
+        for (int p = 0; p < G / 4; ++p) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p));
+          for (int m = 0; m < MT; ++m)
+            isum[m] = dot4<8>(isum[m], w, _mm256_set1_epi32(load_i32(xq + m * K + k0 + 4 * p)));
+        }
+      }
+      const __m256 sv = load8(s + g * 16 + 8 * half);
+      const __m256 ov = AFF ? load8(o + g * 16 + 8 * half) : _mm256_mul_ps(sv, _mm256_set1_ps(c));
+      for (int m = 0; m < MT; ++m) {
+        const float d = xd[m * (K / 32) + k0 / 32];
+        const int32_t xsum = G == 32 ? xs[m * (K / 16) + 2 * g] + xs[m * (K / 16) + 2 * g + 1]
+                                     : xs[m * (K / 16) + g];
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(sv, _mm256_set1_ps(d)), acc[m]);
+        acc[m] = _mm256_fmadd_ps(ov, _mm256_set1_ps(d * (float)xsum), acc[m]);
+      }
+    }
+    for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo + 8 * half, acc[m]);
+  }
+}
+
+#else
+template <int MT, int BITS, int G, typename ST, bool AFF>
+void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
+          const int32_t* xs, int64_t K, float* out, int64_t ldo) {
+  constexpr int QB = 16 * G * BITS / 8;
+  for (int m = 0; m < MT; ++m) {
+    for (int j = 0; j < 16; ++j) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < ng; ++g) {
+        const uint8_t* rec = q + g * QB;
+        int32_t isum = 0;
+        for (int i = 0; i < G; ++i) isum += quant_at<BITS>(rec, j, i) * (int32_t)xq[m * K + g * G + i];
+        const float sv = scalar_of(s, (int)(g * 16 + j));
+        const float ov = AFF ? scalar_of(o, (int)(g * 16 + j)) : sv * c;
+        const float d = xd[m * (K / 32) + g * G / 32];
+        const int32_t xsum = G == 32 ? xs[m * (K / 16) + 2 * g] + xs[m * (K / 16) + 2 * g + 1]
+                                     : xs[m * (K / 16) + g];
+        acc = std::fma((float)isum, sv * d, acc);
+        acc = std::fma(ov, d * (float)xsum, acc);
+      }
+      out[m * ldo + j] = acc;
+    }
+  }
+}
+#endif
+
+// Rows of x rounded to int8 per 32 values; plain C++ (vectorised by the compiler), no FMA contraction.
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, int32_t* xs) {
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const float* v = x + m * K + 32 * b;
+        float amax = 0.f;
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+        const float d = amax / 127.f;
+        const float id = d > 0.f ? 1.f / d : 0.f;
+        int8_t* q = xq + m * K + 32 * b;
+        int32_t s0 = 0, s1 = 0;
+        for (int i = 0; i < 32; ++i) {
+          const int qi = (int)std::nearbyint(v[i] * id);
+          q[i] = (int8_t)qi;
+          (i < 16 ? s0 : s1) += qi;
+        }
+        xd[m * (K / 32) + b] = d;
+        xs[m * (K / 16) + 2 * b] = s0;
+        xs[m * (K / 16) + 2 * b + 1] = s1;
+      }
+    }
+  });
+}
+
+template <int BITS, int G, typename ST, bool AFF>
+void run(const uint8_t* q, const ST* s, const ST* o, float c, int64_t nb, int64_t K, const int8_t* xq,
+         const float* xd, const int32_t* xs, int64_t M, float* out, int64_t ldo) {
+  const int64_t ng = K / G;
+  const int64_t qb = 16 * G * BITS / 8;
+  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* qr = q + b * ng * qb;
+      const ST* sr = s + b * ng * 16;
+      const ST* orr = AFF ? o + b * ng * 16 : nullptr;
+      int64_t m = 0;
+      // Tiles of kMaxTile rows, then halving tiles for the rest: every row runs the same per-row sequence.
+      for (; m + kMaxTile <= M; m += kMaxTile)
+        tile<kMaxTile, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16), K,
+                                         out + m * ldo + 16 * b, ldo);
+#if defined(DI_AVX512)
+      if (m + 4 <= M) {
+        tile<4, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16), K,
+                                  out + m * ldo + 16 * b, ldo);
+        m += 4;
+      }
+#endif
+#if !defined(DI_AVX512) && !defined(DI_AVX2)
+      (void)0;
+#else
+      if (m + 2 <= M) {
+        tile<2, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16), K,
+                                  out + m * ldo + 16 * b, ldo);
+        m += 2;
+      }
+      if (m < M)
+        tile<1, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16), K,
+                                  out + m * ldo + 16 * b, ldo);
+#endif
+    }
+  });
+}
+
+template <typename ST, bool AFF>
+void dispatch_bits(int64_t bits, int64_t group, const uint8_t* q, const ST* s, const ST* o, float c, int64_t nb,
+                   int64_t K, const int8_t* xq, const float* xd, const int32_t* xs, int64_t M, float* out,
+                   int64_t ldo) {
+  if (bits == 4 && group == 32) return run<4, 32, ST, AFF>(q, s, o, c, nb, K, xq, xd, xs, M, out, ldo);
+  if (bits == 8 && group == 32) return run<8, 32, ST, AFF>(q, s, o, c, nb, K, xq, xd, xs, M, out, ldo);
+  if (bits == 8 && group == 16) return run<8, 16, ST, AFF>(q, s, o, c, nb, K, xq, xd, xs, M, out, ldo);
+  TORCH_CHECK(false, "quant_linear: unsupported format bits=", bits, " group=", group);
+}
+
+}  // namespace
+
+// x [M, K] float32 -> [M, N] float32 (+ bias). offsets: an empty tensor for symmetric formats (offset = c * scale).
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
+                           int64_t bits, int64_t group, double c, int64_t n, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "quant_linear: x must be float32 [M, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0 && K % group == 0, "quant_linear: K=", K, " must be a multiple of 32 and of the group");
+  const int64_t nb = quants.size(0);
+  TORCH_CHECK(quants.numel() == nb * (K / group) * 16 * group * bits / 8, "quant_linear: quants do not match K=", K);
+  auto xq = torch::empty({M, K}, torch::kInt8);
+  auto xd = torch::empty({M, K / 32}, torch::kFloat32);
+  auto xs = torch::empty({M, K / 16}, torch::kInt32);
+  auto out = torch::empty({M, nb * 16}, torch::kFloat32);
+  if (M > 0) {
+    quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<int32_t>());
+    const bool aff = offsets.numel() > 0;
+    const auto* q = quants.data_ptr<uint8_t>();
+    if (scales.scalar_type() == torch::kFloat16) {
+      const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+      const auto* o = aff ? reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::Half>()) : nullptr;
+      if (aff) dispatch_bits<uint16_t, true>(bits, group, q, s, o, (float)c, nb, K, xq.data_ptr<int8_t>(),
+                                             xd.data_ptr<float>(), xs.data_ptr<int32_t>(), M, out.data_ptr<float>(), nb * 16);
+      else dispatch_bits<uint16_t, false>(bits, group, q, s, o, (float)c, nb, K, xq.data_ptr<int8_t>(),
+                                          xd.data_ptr<float>(), xs.data_ptr<int32_t>(), M, out.data_ptr<float>(), nb * 16);
+    } else {
+      TORCH_CHECK(scales.scalar_type() == torch::kFloat32, "quant_linear: scales must be float16 or float32");
+      const float* s = scales.data_ptr<float>();
+      const float* o = aff ? offsets.data_ptr<float>() : nullptr;
+      if (aff) dispatch_bits<float, true>(bits, group, q, s, o, (float)c, nb, K, xq.data_ptr<int8_t>(),
+                                          xd.data_ptr<float>(), xs.data_ptr<int32_t>(), M, out.data_ptr<float>(), nb * 16);
+      else dispatch_bits<float, false>(bits, group, q, s, o, (float)c, nb, K, xq.data_ptr<int8_t>(),
+                                       xd.data_ptr<float>(), xs.data_ptr<int32_t>(), M, out.data_ptr<float>(), nb * 16);
+    }
+  }
+  if (nb * 16 != n) out = out.narrow(1, 0, n).contiguous();
+  if (bias.has_value() && bias->defined()) out.add_(*bias);
+  return out;
+}
+
+// Rows `ids` of the weight, dequantized: w = scale * u + offset, or scale * (u + c) for symmetric formats (the
+// same bits as GGUF's own dequantization of Q8_0 / Q4_0 / Q5_0). The embedding lookup of a quantized table.
+torch::Tensor quant_rows(torch::Tensor ids, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
+                         int64_t bits, int64_t group, double c, int64_t k) {
+  ids = ids.contiguous().to(torch::kInt64);
+  const int64_t T = ids.numel(), ng = k / group, qb = 16 * group * bits / 8;
+  auto out = torch::empty({T, k}, torch::kFloat32);
+  const bool aff = offsets.numel() > 0, half = scales.scalar_type() == torch::kFloat16;
+  const auto* id = ids.data_ptr<int64_t>();
+  const auto* q = quants.data_ptr<uint8_t>();
+  const int64_t rows = quants.size(0) * 16;
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < rows, "quant_rows: id ", id[t], " out of range");
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = id[t] / 16;
+      const int j = (int)(id[t] % 16);
+      float* dst = out.data_ptr<float>() + t * k;
+      for (int64_t g = 0; g < ng; ++g) {
+        const uint8_t* rec = q + (b * ng + g) * qb;
+        const int64_t si = (b * ng + g) * 16 + j;
+        const float s = half ? half_to_float(reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>())[si])
+                             : scales.data_ptr<float>()[si];
+        const float o = !aff ? 0.f : half ? half_to_float(reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::Half>())[si])
+                                          : offsets.data_ptr<float>()[si];
+        for (int i = 0; i < group; ++i) {
+          const int u = bits == 4 ? quant_at<4>(rec, j, i) : quant_at<8>(rec, j, i);
+          dst[g * group + i] = aff ? s * (float)u + o : s * (float)(u + (int)c);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+std::string isa() { return kIsa; }

@@ -1,0 +1,170 @@
+"""Linear layers on block-quantized weights for the CPU (csrc/quant_linear.cpp), and the packed layout they read.
+
+A weight in this layout is unsigned quants u with one scale (and, for affine formats, one offset) per group of G
+values along K: w = scale * u + offset, or scale * (u + c) for symmetric formats (offset = c * scale). Every GGUF
+type deepinfer computes on maps onto it without changing a value (models/gguf_blocks.py), and so do the int8 / int4
+formats that `--quantization` makes from float weights. The kernel rounds activations to int8 per 32 values, as
+llama.cpp does, and accumulates integer dot products per group; see the C++ source for the exact order.
+
+The kernels are compiled by ops/cpu_ops.py, for the instruction set the CPU has.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+import torch
+
+ROWS_PER_BLOCK = 16  # output rows interleaved in one packed record (the lanes of a 512-bit register)
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    bits: int  # 4 (two quants per byte) or 8
+    group: int  # values per scale along K: 32, or 16 (GGUF Q6_K)
+    scale_dtype: str  # "float16" (exact for GGUF's legacy types) or "float32" (K-types' products d * sub-scale)
+    affine: bool  # offsets stored per group; else offset = c * scale
+    c: int = 0  # symmetric formats: w = scale * (u + c)
+
+    def __post_init__(self) -> None:
+        if (self.bits, self.group) not in ((4, 32), (8, 32), (8, 16)):
+            raise ValueError(f"unsupported quantized format: {self.bits}-bit quants in groups of {self.group}")
+        if self.scale_dtype not in ("float16", "float32"):
+            raise ValueError(f"scale_dtype must be float16 or float32, got {self.scale_dtype!r}")
+
+    @property
+    def bits_per_weight(self) -> float:
+        scale_bits = 16 if self.scale_dtype == "float16" else 32
+        return self.bits + scale_bits * (2 if self.affine else 1) / self.group
+
+
+@dataclass(frozen=True)
+class Canonical:
+    """A weight as unsigned quants u [N, K] (uint8) with scales / offsets [N, K / group] (float32)."""
+
+    fmt: QuantFormat
+    u: np.ndarray
+    scales: np.ndarray
+    offsets: np.ndarray | None  # None: symmetric (offset = c * scale)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [N, K], in the kernel's own rounding (scale * u + offset, or scale * (u + c))."""
+        g = self.fmt.group
+        s = np.repeat(self.scales.astype(np.float32), g, axis=1)
+        if self.offsets is None:
+            return s * (self.u.astype(np.float32) + np.float32(self.fmt.c))
+        return s * self.u.astype(np.float32) + np.repeat(self.offsets.astype(np.float32), g, axis=1)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    fmt: QuantFormat
+    n: int
+    k: int
+    quants: torch.Tensor  # uint8 [n_pad / 16, k / group, record bytes]
+    scales: torch.Tensor  # float16 / float32 [n_pad / 16, k / group, 16]
+    offsets: torch.Tensor  # same, or empty for symmetric formats
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.quants, self.scales, self.offsets))
+
+
+def unify(parts: list[Canonical]) -> Canonical:
+    """Fused shards (q|k|v, gate|up) stacked along N in one format that holds each exactly: the wider quants, the
+    smaller group, float32 scales if any part has them, and stored offsets unless every part shares one c."""
+    if len(parts) == 1:
+        return parts[0]
+    bits = max(p.fmt.bits for p in parts)
+    group = min(p.fmt.group for p in parts)
+    scale_dtype = "float32" if any(p.fmt.scale_dtype == "float32" for p in parts) else "float16"
+    cs = {p.fmt.c for p in parts if not p.fmt.affine}
+    affine = any(p.fmt.affine for p in parts) or len(cs) > 1
+    fmt = QuantFormat(bits, group, scale_dtype, affine, 0 if affine else cs.pop())
+    us, ss, os_ = [], [], []
+    for p in parts:
+        r = p.fmt.group // group  # a group of 32 as two groups of 16: the same scale twice
+        s = np.repeat(p.scales, r, axis=1)
+        us.append(p.u)
+        ss.append(s)
+        if affine:
+            os_.append(np.repeat(p.offsets, r, axis=1) if p.offsets is not None else s * np.float32(p.fmt.c))
+    return Canonical(fmt, np.concatenate(us), np.concatenate(ss), np.concatenate(os_) if affine else None)
+
+
+def pack(w: Canonical) -> PackedWeight:
+    """The kernel's interleaved layout: per 16 output rows and group, 64-byte pieces with 4 bytes per row."""
+    fmt, (n, k) = w.fmt, w.u.shape
+    g = fmt.group
+    if k % 32 or k % g:
+        raise ValueError(f"a quantized weight needs K a multiple of 32, got K={k}")
+    n_pad = -(-n // ROWS_PER_BLOCK) * ROWS_PER_BLOCK
+    u = np.zeros((n_pad, k), dtype=np.uint8)
+    u[:n] = w.u
+    nb, ng = n_pad // ROWS_PER_BLOCK, k // g
+    blocks = u.reshape(nb, ROWS_PER_BLOCK, ng, g).transpose(0, 2, 1, 3)  # [nb, ng, row, value]
+    if fmt.bits == 8:  # piece p: bytes 4j + b = row j, value 4p + b
+        rec = blocks.reshape(nb, ng, ROWS_PER_BLOCK, g // 4, 4).transpose(0, 1, 3, 2, 4)
+    else:  # piece p: row j, values 8p + b (low nibble) and 8p + 4 + b (high nibble)
+        v = blocks.reshape(nb, ng, ROWS_PER_BLOCK, g // 8, 2, 4)
+        rec = (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(0, 1, 3, 2, 4)
+    quants = np.ascontiguousarray(rec).reshape(nb, ng, -1)
+    sdt = np.float16 if fmt.scale_dtype == "float16" else np.float32
+
+    def lanes(values: np.ndarray) -> torch.Tensor:
+        padded = np.zeros((n_pad, ng), dtype=np.float32)
+        padded[:n] = values
+        exact = padded.astype(sdt)
+        if not np.array_equal(exact.astype(np.float32), padded):
+            raise ValueError(f"scales are not exact in {fmt.scale_dtype}")
+        return torch.from_numpy(np.ascontiguousarray(exact.reshape(nb, ROWS_PER_BLOCK, ng).transpose(0, 2, 1)))
+
+    offsets = lanes(w.offsets) if w.offsets is not None else torch.empty(0, dtype=torch.float32)
+    return PackedWeight(fmt, n, k, torch.from_numpy(quants), lanes(w.scales), offsets)
+
+
+INT8 = QuantFormat(8, 32, "float16", False, -128)
+INT4 = QuantFormat(4, 32, "float16", True)
+
+
+def quantize_int8(w: np.ndarray) -> Canonical:
+    """Symmetric int8 per 32 values: scale = max|w| / 127 (rounded to float16 first), q = round(w / scale)."""
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"int8 quantization needs K a multiple of 32, got K={k}")
+    g = w.reshape(n, k // 32, 32).astype(np.float32)
+    scale = (np.abs(g).max(axis=2) / 127).astype(np.float16).astype(np.float32)
+    inv = np.divide(1, scale, out=np.zeros_like(scale), where=scale > 0)
+    q = np.clip(np.rint(g * inv[..., None]), -127, 127)
+    return Canonical(INT8, (q + 128).astype(np.uint8).reshape(n, k), scale, None)
+
+
+def quantize_int4(w: np.ndarray) -> Canonical:
+    """Affine int4 per 32 values: offset = min (float16), scale = (max - offset) / 15 (float16), u = round."""
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"int4 quantization needs K a multiple of 32, got K={k}")
+    g = w.reshape(n, k // 32, 32).astype(np.float32)
+    low = g.min(axis=2).astype(np.float16).astype(np.float32)
+    scale = ((g.max(axis=2) - low) / 15).astype(np.float16).astype(np.float32)
+    inv = np.divide(1, scale, out=np.zeros_like(scale), where=scale > 0)
+    u = np.clip(np.rint((g - low[..., None]) * inv[..., None]), 0, 15)
+    return Canonical(INT4, u.astype(np.uint8).reshape(n, k), scale, low)
+
+
+def linear(kernels: ModuleType, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] float32 -> [..., N] float32."""
+    if x.shape[-1] != w.k:
+        raise ValueError(f"quantized linear takes inputs of {w.k} features, got {x.shape[-1]}")
+    lead = x.shape[:-1]
+    out = kernels.quant_linear(x.reshape(-1, w.k), w.quants, w.scales, w.offsets, w.fmt.bits, w.fmt.group,
+                               float(w.fmt.c), w.n, bias)
+    return out.view(*lead, w.n)
+
+
+def rows(kernels: ModuleType, ids: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """Rows `ids` of the weight, dequantized to float32: [*ids.shape, K]."""
+    out = kernels.quant_rows(ids.reshape(-1), w.quants, w.scales, w.offsets, w.fmt.bits, w.fmt.group,
+                             float(w.fmt.c), w.k)
+    return out.view(*ids.shape, w.k)

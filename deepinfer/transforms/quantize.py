@@ -1,0 +1,70 @@
+"""The quantization transform: before the weights load, linear layers and embeddings become quantized layers
+(layers/quantized.py) that keep their weight in blocks; after loading, each weight is packed once.
+
+`gguf` keeps every GGUF tensor in its own format; `int8` / `int4` quantize float weights per 32 values (the LM
+head and the embedding stay int8 under int4, as llama.cpp's mixes keep the output layer wider). Layers that read
+their weight as a matrix (MLA's absorbed kv_b_proj) and rows not a multiple of 32 stay dense.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from types import ModuleType
+
+from torch import nn
+
+from deepinfer.layers.linear import Linear
+from deepinfer.layers.quantized import QUANT_MODES, QuantizedEmbedding, QuantizedLinear
+from deepinfer.ops.quant_linear import unify
+
+logger = logging.getLogger("deepinfer")
+
+
+@dataclass(frozen=True)
+class QuantSummary:
+    mode: str
+    quantized: int  # layers swapped
+    dense: tuple[str, ...]  # layers left dense, and why
+    weight_bytes: int = 0  # packed bytes after finalize
+
+
+def prepare_quantized(model: nn.Module, mode: str, kernels: ModuleType | None) -> QuantSummary:
+    """Swaps layers in place, before load_weights."""
+    if mode not in QUANT_MODES:
+        raise ValueError(f"quantization must be one of {QUANT_MODES}, got {mode!r}")
+    wide = "int8" if mode == "int4" else mode
+    swapped, dense = 0, []
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if isinstance(child, Linear):
+                if not child.quantizable or child.in_features % 32:
+                    dense.append(f"{full} ({'read as a matrix' if not child.quantizable else 'K % 32'})")
+                    continue
+                new = QuantizedLinear(child.in_features, child.shards, child.bias, mode, kernels)
+            elif isinstance(child, nn.Linear):  # LM heads
+                if child.in_features % 32:
+                    dense.append(f"{full} (K % 32)")
+                    continue
+                new = QuantizedLinear(child.in_features, [child.out_features], child.bias, wide, kernels)
+            elif isinstance(child, nn.Embedding):
+                if child.embedding_dim % 32:
+                    dense.append(f"{full} (dim % 32)")
+                    continue
+                new = QuantizedEmbedding(child.num_embeddings, child.embedding_dim, wide, kernels)
+            else:
+                continue
+            setattr(parent, name, new)
+            swapped += 1
+    return QuantSummary(mode, swapped, tuple(dense))
+
+
+def finalize_quantized(model: nn.Module, summary: QuantSummary) -> QuantSummary:
+    """Packs every loaded quantized weight (a tied head shares its embedding's); returns the summary with bytes."""
+    seen, total = set(), 0
+    for module in model.modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            module.weight.finalize(unify)
+            total += module.weight.nbytes
+    return QuantSummary(summary.mode, summary.quantized, summary.dense, total)

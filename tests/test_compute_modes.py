@@ -1,0 +1,40 @@
+"""How the model file, dtype, quantization and device resolve to what the engine computes in."""
+import pytest
+
+from deepinfer.config import Compute, ModelConfig, resolve_compute
+
+
+@pytest.mark.parametrize("options,fmt,cuda,want", [
+    ({}, "gguf", False, Compute("float32", "gguf", "cpu")),  # a GGUF computes on its blocks by default
+    ({"dtype": "float32"}, "gguf", False, Compute("float32", None, "cpu")),  # the exact dense path
+    ({"dtype": "bfloat16"}, "gguf", False, Compute("bfloat16", None, "cpu")),
+    ({"quantization": "none"}, "gguf", False, Compute("float32", None, "cpu")),
+    ({}, "safetensors", False, Compute("float32", None, "cpu")),
+    ({"quantization": "int8"}, "safetensors", False, Compute("float32", "int8", "cpu")),
+    ({"quantization": "int4"}, "gguf", False, Compute("float32", "int4", "cpu")),
+    ({}, "gguf", True, Compute("float32", None, "cuda")),  # auto picks CUDA; the quantized kernels are CPU code
+    ({"device": "cpu"}, "gguf", True, Compute("float32", "gguf", "cpu")),
+    ({"device": "cuda:1", "dtype": "bfloat16"}, "safetensors", True, Compute("bfloat16", None, "cuda:1")),
+])
+def test_resolution(options, fmt, cuda, want):
+    assert resolve_compute(ModelConfig(**options), fmt, cuda) == want
+
+
+@pytest.mark.parametrize("options,fmt,cuda,message", [
+    ({"quantization": "gguf"}, "safetensors", False, "needs a .gguf model"),
+    ({"device": "cuda"}, "gguf", False, "torch sees no CUDA device"),
+    ({"quantization": "int8"}, "safetensors", True, "runs on the CPU only"),
+])
+def test_impossible_combinations_are_refused(options, fmt, cuda, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_compute(ModelConfig(**options), fmt, cuda)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"device": "tpu"}, "device must be one of"),
+    ({"quantization": "int8", "dtype": "bfloat16"}, "computes activations in float32"),
+    ({"quantization": "q2"}, "quantization must be one of"),
+])
+def test_bad_options_fail_at_config_time(options, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**options)
