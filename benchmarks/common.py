@@ -41,9 +41,9 @@ class RunResult:
     # Seconds after every request had its first token (decode only); how each runner measures it is in its docstring.
     decode_s: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    token_ids: list[list[int]] = field(default_factory=list, repr=False)  # each request's counted output tokens
     # tokens decode_s covers, where a tool reports its own split (llama-batched-bench); None: output minus requests
     decode_tokens: int | None = None
-    token_ids: list[list[int]] = field(default_factory=list, repr=False)  # each request's counted output tokens
 
     @property
     def output_tok_s(self) -> float:

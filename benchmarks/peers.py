@@ -176,7 +176,8 @@ class VllmRunner(Runner):
         self.name = "vllm" if dtype == "float32" else f"vllm-{dtype}"
         self.mode = f"vLLM {self.version} {dtype}, offline LLM.generate in a subprocess, all requests at once"
         read_fd, write_fd = os.pipe()  # results travel on their own pipe: vLLM logs to stdout and stderr
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")}
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}"),
+               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
         self.proc = subprocess.Popen([python, os.path.abspath(__file__), "vllm-worker", model_path, str(threads),
                                       str(write_fd), dtype], stdin=subprocess.PIPE, text=True, pass_fds=(write_fd,),
                                      env=env)
@@ -221,7 +222,10 @@ def _vllm_worker(model: str, threads: int, result_fd: int, dtype: str) -> None:
     from vllm.inputs import TokensPrompt
 
     torch.set_num_threads(threads)
-    llm = LLM(model=model, dtype=dtype, seed=0, skip_tokenizer_init=True, enable_prefix_caching=False)
+    # on the CPU backend gpu_memory_utilization is the share of host memory vLLM reserves (0.92 by default, more
+    # than a machine running other engines has free); the KV cache itself is VLLM_CPU_KVCACHE_SPACE GiB
+    llm = LLM(model=model, dtype=dtype, seed=0, skip_tokenizer_init=True, enable_prefix_caching=False,
+              gpu_memory_utilization=0.3)
     with os.fdopen(result_fd, "w") as out:
         out.write(json.dumps({"ready": True}) + "\n")
         out.flush()

@@ -162,6 +162,10 @@ def run_engines(args: argparse.Namespace, model_path: str, plans, warmup: list[B
             print(f"   skipped: {e}", flush=True)
             engines[engine] = {"status": "skipped", "reason": str(e)}
             continue
+        except Exception as e:  # a peer that fails to start must not cost the other engines' results
+            print(f"   failed to start: {type(e).__name__}: {e}", flush=True)
+            engines[engine] = {"status": "skipped", "reason": f"failed to start: {e}"}
+            continue
         try:
             runner.warmup(warmup)
             for concurrency, requests in plans:

@@ -51,6 +51,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                     help="lifetime of blocks saved for a traffic class (defaults agent=259200, chatbot=604800)")
     kv.add_argument("--kv-ttl-class", default=None, choices=["agent", "chatbot"],
                     help="class of requests that name none (default chatbot)")
+    pd = parser.add_argument_group("prefill/decode disaggregation (a router with --prefill and --decode in front)")
+    pd.add_argument("--role", default=None, choices=["both", "prefill", "decode"],
+                    help="both (default): whole requests; prefill: compute prompts and hand their KV over; decode: "
+                         "take requests whose prompt another engine computed")
+    pd.add_argument("--kv-handoff", default=None, choices=["direct", "store"],
+                    help="prefill: hand the KV over directly from this process (zmq, the default) or through the KV "
+                         "store (needs a tier the decode engines share: --kv-store disk on a shared path, or redis)")
+    pd.add_argument("--kv-handoff-timeout", dest="kv_handoff_timeout_s", type=float, default=None,
+                    help="seconds a prefill engine holds a hand-off and a decode engine waits for it before computing "
+                         "the prompt itself (default 5)")
+    pd.add_argument("--kv-handoff-host", default=None,
+                    help="prefill, direct: the address decode engines reach this one at (default 127.0.0.1)")
+    pd.add_argument("--kv-handoff-port", type=int, default=None, help="prefill, direct: its port (default: a free one)")
 
 
 def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
@@ -86,6 +99,11 @@ def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         kv_store_disk_capacity=args.kv_store_disk_capacity,
         kv_ttl=dict(args.kv_ttl) or None,
         kv_ttl_class=args.kv_ttl_class,
+        role=getattr(args, "role", None),
+        kv_handoff=getattr(args, "kv_handoff", None),
+        kv_handoff_timeout_s=getattr(args, "kv_handoff_timeout_s", None),
+        kv_handoff_host=getattr(args, "kv_handoff_host", None),
+        kv_handoff_port=getattr(args, "kv_handoff_port", None),
         **extra,
     )
 

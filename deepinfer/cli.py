@@ -6,7 +6,7 @@ import logging
 import sys
 
 from deepinfer.args import add_engine_args, engine_config_from_args
-from deepinfer.router.args import add_data_parallel_args, add_router_args
+from deepinfer.router.args import add_data_parallel_args, add_router_args, check_data_parallel_args
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -32,7 +32,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if args.ray or args.data_parallel_size != 1:
+    check_data_parallel_args(args)
+    if args.ray:
+        from deepinfer.router.ray_launch import run_on_ray
+
+        return run_on_ray(args)
+    if args.data_parallel_size != 1:
         from deepinfer.router.launch import run_data_parallel
 
         return run_data_parallel(args)
@@ -64,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[])
     gen.set_defaults(func=cmd_generate)
 
+    add_train_mtp(sub)
     try:
         from deepinfer.server.serve import add_serve_args
     except ImportError:
@@ -78,6 +84,28 @@ def build_parser() -> argparse.ArgumentParser:
         add_router_args(router)
         router.set_defaults(func=cmd_router)
     return parser
+
+
+def cmd_train_mtp(args: argparse.Namespace) -> int:
+    from deepinfer.spec.train_mtp import TrainConfig, train
+
+    config = TrainConfig(num_prompts=args.num_prompts, gen_tokens=args.gen_tokens, minutes=args.minutes,
+                         threads=args.num_threads, seed=args.seed)
+    directory = train(args.model, args.out, config)
+    print(directory)
+    return 0
+
+
+def add_train_mtp(sub) -> None:
+    train = sub.add_parser("train-mtp", help="train an MTP draft head for a model by self-distillation")
+    train.add_argument("--model", default=None, help="default: the bundled SmolLM2")
+    train.add_argument("--out", default=None, help="directory to write (default: ~/.cache/deepinfer/mtp/<model>)")
+    train.add_argument("--minutes", type=float, default=25.0, help="wall-clock budget (default %(default)s)")
+    train.add_argument("--num-prompts", type=int, default=192, help="self-generated training answers")
+    train.add_argument("--gen-tokens", type=int, default=192, help="tokens per answer")
+    train.add_argument("--num-threads", type=int, default=None)
+    train.add_argument("--seed", type=int, default=0)
+    train.set_defaults(func=cmd_train_mtp)
 
 
 def main(argv: list[str] | None = None) -> int:

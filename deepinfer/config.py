@@ -98,6 +98,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
+    # KV store lookups and loads in the background: the step never waits for the store (core/kv_loading.py)
+    async_kv_loads: bool = True
     # sequences that may wait at once; the server answers 503 + Retry-After past it. None: derived from the KV
     # capacity (engine/client.default_max_waiting). The offline LLM never refuses work.
     max_waiting_requests: int | None = None
@@ -146,6 +148,37 @@ class ParallelConfig:
             raise ValueError(f"dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s}")
 
 
+ROLES = ("both", "prefill", "decode")
+HANDOFF_PATHS = ("direct", "store")
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation (disagg/): a prefill engine computes a prompt's KV and first token and hands the
+    KV over; a decode engine admits the request with that token and waits for the KV. "both" serves whole requests.
+
+    kv_handoff: how a prefill engine hands the KV over. "direct": it holds the blocks and serves them from a zmq socket
+    at kv_handoff_host:kv_handoff_port (0: a free port) until the decode engine pulls them; "store": it saves the full
+    blocks to its KV store (a tier the decode engine shares) before answering. kv_handoff_timeout_s bounds both the
+    prefill's hold and the decode's wait; past it the decode engine computes the prompt itself."""
+
+    role: str = "both"
+    kv_handoff: str = "direct"
+    kv_handoff_timeout_s: float = 5.0
+    kv_handoff_host: str = "127.0.0.1"
+    kv_handoff_port: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.kv_handoff not in HANDOFF_PATHS:
+            raise ValueError(f"kv_handoff must be one of {HANDOFF_PATHS}, got {self.kv_handoff!r}")
+        if isinstance(self.kv_handoff_timeout_s, bool) or not self.kv_handoff_timeout_s > 0:
+            raise ValueError(f"kv_handoff_timeout_s must be > 0 seconds, got {self.kv_handoff_timeout_s!r}")
+        if not 0 <= self.kv_handoff_port <= 65535:
+            raise ValueError(f"kv_handoff_port must be in [0, 65535] (0: a free port), got {self.kv_handoff_port}")
+
+
 SPEC_METHODS = ("ngram", "mtp")
 
 
@@ -183,6 +216,7 @@ class EngineConfig:
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
     batch_invariant: bool = False
     enable_mtp_varlen: bool = True
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
@@ -193,9 +227,10 @@ class EngineConfig:
     def from_kwargs(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> EngineConfig:
         """Builds the config from flat keyword arguments (the LLM / CLI surface) and the environment."""
         env = os.environ if env is None else env
-        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "parallel": {}, "spec": {}}
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "parallel": {}, "spec": {},
+                                            "disagg": {}}
         owners = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
-                  "spec": SpecConfig}
+                  "spec": SpecConfig, "disagg": DisaggConfig}
         top: dict[str, Any] = {}
         top_names = {f.name for f in fields(cls)} - set(owners) - {"kv_store"}
         kv_store: dict[str, Any] = {}
@@ -233,6 +268,7 @@ class EngineConfig:
             scheduler=SchedulerConfig(**parts["scheduler"]),
             parallel=ParallelConfig(**parts["parallel"]),
             spec=SpecConfig(**parts["spec"]),
+            disagg=DisaggConfig(**parts["disagg"]),
             kv_store=_kv_store_config(kv_store),
             **top,
         )

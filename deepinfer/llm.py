@@ -1,8 +1,13 @@
-"""Offline API in vLLM's shape: LLM(model=...).generate(prompts, params) -> list[RequestOutput]."""
+"""Offline API in vLLM's shape: LLM(model=...).generate(prompts, params) -> list[RequestOutput].
+
+A prompt is a string, a list of token ids, or vLLM's dict forms: TextPrompt {"prompt": str} and TokensPrompt
+{"prompt_token_ids": [...]}.
+"""
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+import time
+from typing import Any, Sequence, TypedDict
 
 from tqdm.auto import tqdm
 
@@ -11,17 +16,36 @@ from deepinfer.engine.engine import Engine
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+class TextPrompt(TypedDict):
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+
+
+Prompt = str | list[int] | TextPrompt | TokensPrompt
 Message = dict[str, Any]
 
 
 class LLM:
     """LLM() loads the bundled default model (SmolLM2-135M-Instruct); keyword arguments are engine options
     (dtype, max_model_len, block_size, kv_cache_memory, enable_prefix_caching, max_num_batched_tokens,
-    max_num_seqs, enable_chunked_prefill, batch_invariant, num_threads, ...)."""
+    max_num_seqs, enable_chunked_prefill, batch_invariant, num_threads, ...).
 
-    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+    raise_on_error=True gives vLLM's behaviour: generate() raises ValueError for the first invalid prompt or
+    parameter and runs nothing. By default a bad request fails alone (its output has `error` set and finish_reason
+    "error") and the others complete.
+
+    skip_tokenizer_init=True (vLLM's option) is for token-id-only use: prompts must be token ids, outputs carry
+    token ids and empty text (no detokenization, so no stop strings), and chat() is refused.
+    """
+
+    def __init__(self, model: str | None = None, *, raise_on_error: bool = False, skip_tokenizer_init: bool = False,
+                 **engine_options: Any) -> None:
         self.engine = Engine(EngineConfig.from_kwargs(model=model, **engine_options))
+        self.raise_on_error = raise_on_error
+        self.skip_tokenizer_init = skip_tokenizer_init
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -34,8 +58,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Outputs come back in input order. A request with bad input fails alone: its output has
-        `error` set and finish_reason "error"; the others complete."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        `error` set and finish_reason "error"; the others complete (raise_on_error=True: ValueError instead)."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_list(sampling_params, len(prompts))
@@ -45,10 +69,44 @@ class LLM:
             request_id = str(next(self._ids))
             ids.append(request_id)
             try:
-                self.engine.add_request(request_id, prompt, p)
+                prompt = self._unwrap(prompt)
+                self.engine.add_request(request_id, prompt, self._without_text(p) if self.skip_tokenizer_init else p)
             except ValueError as e:
+                if self.raise_on_error:
+                    for added in ids:
+                        self.engine.abort_request(added)
+                    raise
                 results[request_id] = _error_output(request_id, prompt, p, str(e))
         return self._run(ids, results, use_tqdm)
+
+    def _unwrap(self, prompt: Any) -> str | list[int]:
+        """A plain prompt from any accepted form; raises ValueError naming what is wrong."""
+        if isinstance(prompt, dict):
+            keys = set(prompt)
+            if keys == {"prompt_token_ids"}:
+                prompt = prompt["prompt_token_ids"]
+            elif keys == {"prompt"}:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"a dict prompt must be {{'prompt': str}} or {{'prompt_token_ids': [...]}}, got keys "
+                                 f"{sorted(keys)} (multi-modal data and other fields are not supported)")
+        if isinstance(prompt, tuple):
+            prompt = list(prompt)
+        if not isinstance(prompt, (str, list)):
+            raise ValueError(f"prompt must be a string, a list of token ids, a TextPrompt or a TokensPrompt, "
+                             f"got {type(prompt).__name__}")
+        if isinstance(prompt, str) and self.skip_tokenizer_init:
+            raise ValueError("skip_tokenizer_init=True: give prompts as token ids (a list or {'prompt_token_ids': "
+                             "[...]}), not text")
+        return prompt
+
+    @staticmethod
+    def _without_text(params: SamplingParams) -> SamplingParams:
+        if not isinstance(params, SamplingParams) or not params.detokenize:
+            return params
+        if params.stop:
+            raise ValueError(f"skip_tokenizer_init=True: stop strings need a tokenizer, got stop={params.stop!r}")
+        return params.replace(detokenize=False)
 
     def chat(
         self,
@@ -57,6 +115,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Applies the model's chat template (with the generation prompt) to each conversation."""
+        if self.skip_tokenizer_init:
+            raise ValueError("skip_tokenizer_init=True: chat() needs the tokenizer's chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self.generate([self.engine.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm)
 
@@ -91,9 +151,7 @@ class LLM:
         return params
 
 
-def _error_output(request_id: str, prompt: Prompt, params: SamplingParams, message: str) -> RequestOutput:
-    import time
-
+def _error_output(request_id: str, prompt: Any, params: SamplingParams, message: str) -> RequestOutput:
     outputs = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error") for i in range(getattr(params, "n", 1))]
     return RequestOutput(
         request_id=request_id,

@@ -44,3 +44,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None
+    kv_transfer_params: dict | None = None  # a prefill engine's hand-off of this prompt's KV (disagg/params.py)

@@ -6,6 +6,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SCHEMA_TYPES = ("regex", "json", "ebnf")
+# vLLM's rule: a temperature this small is greedy. Smaller ones reach the float32 sampler as 0 or overflow it
+# (logits / 1e-300 -> inf -> NaN weights), which the API fuzzer found (benchmarks/fuzz.py).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# Above float32's range a temperature becomes inf, and a masked logit then -inf / inf = NaN (found by the fuzzer with
+# a structured-output request at temperature 1e308). 1e6 already makes every distribution uniform.
+MAX_TEMPERATURE = 1e6
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # beyond it float32 logits overflow or underflow; no use needs more
 TTL_CLASSES = ("agent", "chatbot")
 
 
@@ -13,7 +20,7 @@ TTL_CLASSES = ("agent", "chatbot")
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature 0 means greedy. ``seq_seed`` (alias ``seed``) keys a
+    temperature 0 (or below 1e-5, as in vLLM) means greedy. ``seq_seed`` (alias ``seed``) keys a
     counter-based generator by (seed, output position, draw index), so a seeded
     request draws the same numbers whatever else is in the batch.
     """
@@ -40,6 +47,7 @@ class SamplingParams:
     so_args: dict[str, Any] | None = None
     cache_salt: str | None = None
     kv_ttl_class: str | None = None
+    detokenize: bool = True  # False: token ids only, no text (vLLM's name; needed with skip_tokenizer_init)
 
     def __post_init__(self) -> None:
         if self.seq_seed is not None and self.seed is not None and self.seq_seed != self.seed:
@@ -48,6 +56,8 @@ class SamplingParams:
             object.__setattr__(self, "seq_seed", self.seed)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if _is_number(self.temperature) and 0 < self.temperature < GREEDY_BELOW_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
         elif self.stop is None:
@@ -62,8 +72,8 @@ class SamplingParams:
 
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", "an integer >= 1")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "a number >= 0")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"in [0, {MAX_TEMPERATURE:g}]")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", "an integer >= 0 (0 or -1 disables it)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -74,8 +84,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise bad(name, "in [-2, 2]")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "a number > 0")
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_number(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            raise bad("repetition_penalty", f"in [{low}, {high}]")
         if self.seq_seed is not None and not _is_int(self.seq_seed):
             raise bad("seq_seed", "an integer")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -94,10 +105,19 @@ class SamplingParams:
                 raise bad(name, "an integer in [0, 20] or None")
         if self.so_args is not None:
             _validate_so_args(self.so_args)
+            if self.logprobs is not None:
+                # found by the API fuzzer: the logprobs came back shorter than the tokens, so the server paired
+                # tokens with another position's logprobs (and the chat renderer failed with a 500)
+                raise ValueError(f"logprobs={self.logprobs} cannot be combined with so_args: tokens the grammar forces "
+                                 f"(jump-forward) are appended without sampling and have no logprobs")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise bad("cache_salt", "a string")
         if self.kv_ttl_class is not None and self.kv_ttl_class not in TTL_CLASSES:
             raise bad("kv_ttl_class", f"one of {TTL_CLASSES}")
+        if not isinstance(self.detokenize, bool):
+            raise bad("detokenize", "a bool")
+        if not self.detokenize and self.stop:
+            raise ValueError(f"stop strings need detokenize=True (text to search), got stop={self.stop!r}")
 
     @property
     def greedy(self) -> bool:

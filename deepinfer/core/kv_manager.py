@@ -95,6 +95,12 @@ class KVCacheManager:
         root = root_key(self.model_key, request.params.cache_salt)
         extend_block_keys(request.block_hashes, root, request.all_token_ids, self.block_size)
 
+    def store_keys(self, request: Request) -> list[bytes]:
+        """Every layer group's store key for each reusable full block of the request (what a lookup may ask)."""
+        self.update_keys(request)
+        hashes = request.block_hashes[: self.max_reusable_blocks(request)]
+        return [self._key(h, g) for g in range(len(self.windows)) for h in hashes]
+
     def _key(self, block_hash: bytes, group: int) -> bytes:
         return block_hash if group == 0 else block_hash + bytes([group])
 

@@ -41,6 +41,17 @@ class KVBlockRef:
     ttl_class: str | None = None  # saves only: the request's kv_ttl_class (None: the store's default)
 
 
+@dataclass(frozen=True)
+class KVPull:
+    """Disaggregation, direct hand-off: blocks of a prompt's KV that a prefill engine holds, pulled into this engine's
+    cache in the background. The last block may be partial (the prompt's tail)."""
+
+    address: str  # the prefill engine's hand-off socket
+    handoff_id: str
+    block_indices: list[int]  # positions in the prompt's block table, ascending
+    block_ids: list[int]  # where each goes in this engine's cache
+
+
 @dataclass
 class StepPlan:
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -62,6 +73,8 @@ class StepPlan:
     kv_saves: dict[str, list[KVBlockRef]] = field(default_factory=dict)
     # saved before the forward: tails of requests that finished (their blocks may be handed out this step)
     kv_saves_first: dict[str, list[KVBlockRef]] = field(default_factory=dict)
+    # disaggregation: prompt KV to pull from prefill engines in the background (reported in kv_loads_done)
+    kv_pulls: dict[str, KVPull] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -93,4 +106,6 @@ class StepResult:
     # request id -> how many of its kv_loads (leading, in order) arrived intact. A request listed here
     # was left out of this step's forward; the scheduler recomputes from its first failed block.
     kv_load_failures: dict[str, int] = field(default_factory=dict)
+    # background loads and pulls the worker finished this step: request id -> how many of its blocks arrived intact
+    kv_loads_done: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # worker seconds: prepare, forward, sample

@@ -9,9 +9,22 @@ from deepinfer.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # admitted, blocks held, the worker still filling them
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class RemoteKV:
+    """Disaggregation, decode side: the prompt's KV was computed by a prefill engine, which also sampled the first
+    output token. "direct": the blocks are pulled from that engine (address, handoff_id); "store": its full blocks are
+    in the shared KV store. num_tokens: the prompt positions it computed (all of the prompt)."""
+
+    path: str
+    num_tokens: int
+    address: str | None = None
+    handoff_id: str | None = None
 
 
 @dataclass
@@ -34,6 +47,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify at the next step
     num_draft_tokens: int = 0  # drafts verified so far
     num_accepted_tokens: int = 0
+    hold_kv: bool = False  # disaggregation, prefill side: its blocks stay held after it finishes, for a pull
+    remote_kv: RemoteKV | None = None  # disaggregation, decode side: where its prompt's KV comes from
 
     @property
     def num_prompt_tokens(self) -> int:

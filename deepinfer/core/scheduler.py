@@ -1,12 +1,14 @@
 """Continuous batching: each step, decide how many tokens every request computes."""
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from typing import TYPE_CHECKING
 
 from deepinfer.config import SchedulerConfig
-from deepinfer.core.kv_manager import KVCacheManager
-from deepinfer.core.plan import CachedRequestData, KVBlockRef, NewRequestData, StepPlan, StepResult
+from deepinfer.core.kv_loading import AsyncKVLoads
+from deepinfer.core.kv_manager import LOAD, KVCacheManager, PrefixHit
+from deepinfer.core.plan import CachedRequestData, KVBlockRef, KVPull, NewRequestData, StepPlan, StepResult
 from deepinfer.core.request import Request, RequestStatus
 from deepinfer.core.spec import SpecDecodeStats
 
@@ -21,11 +23,25 @@ class Scheduler:
 
     With a KV store (`connector`), a request being admitted also takes the blocks the store holds beyond
     the device cache: they are loaded by the worker before the forward and count as computed. Blocks a
-    step fills are saved to the store by the worker after the forward."""
+    step fills are saved to the store by the worker after the forward.
+
+    Disaggregation: a decode request arrives with its first output token and its prompt's KV elsewhere
+    (Request.remote_kv); it is admitted holding blocks for the whole prompt and waits while the worker pulls them
+    (or loads them from the store). A prefill request that finishes with hold_kv keeps its blocks in `held` until
+    the engine releases them (pulled, or timed out)."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 connector: KVStoreConnector | None = None) -> None:
+                 connector: KVStoreConnector | None = None, draft_lookahead: int = 0,
+                 async_loads: bool = False, remote_kv: bool = False) -> None:
         self.config = config
+        # store lookups, loads and remote pulls off the step (core/kv_loading.py); False: loads inside the step
+        if remote_kv and not async_loads:
+            raise ValueError("taking prompt KV from prefill engines (remote_kv) needs background loads (async_loads)")
+        contains = connector.num_loadable if connector is not None else (lambda keys: 0)
+        self.loads = AsyncKVLoads(contains) if async_loads and (connector is not None or remote_kv) else None
+        self.held: dict[str, Request] = {}  # finished with hold_kv: blocks kept until release_held
+        # slots a sampling request holds beyond this step's tokens: where MTP writes its deeper drafts' KV
+        self.draft_lookahead = draft_lookahead
         self.kv = kv
         self.connector = connector
         self.max_model_len = max_model_len
@@ -42,9 +58,25 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.output_token_ids:  # its first token came from a prefill engine and may already end it
+            stop = self._stop_reason(request, request.output_token_ids[-1])
+            if stop is not None:
+                self.finish(request.request_id, *stop)
+
+    def take_arrivals(self) -> dict[str, bool]:
+        """Decode requests whose prompt KV from a prefill engine arrived since the last call: True if all of it did."""
+        if self.loads is None or not self.loads.arrivals:
+            return {}
+        arrivals, self.loads.arrivals = self.loads.arrivals, {}
+        return arrivals
+
+    def release_held(self, request_id: str) -> None:
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or (self.loads and (self.loads.loading or self.loads.orphans)))
 
     def has_pending_saves(self) -> bool:
         return bool(self._tail_saves)
@@ -53,10 +85,15 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        loading = request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif loading:
+            del self.loads.loading[request_id]
         else:
             self.waiting.remove(request)
+        if self.loads is not None:
+            self.loads.forget(request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
@@ -64,7 +101,12 @@ class Scheduler:
             tail = self.kv.tail_blocks(request)
             if tail:
                 self._tail_saves[request_id] = [KVBlockRef(k, b, request.params.kv_ttl_class) for k, b in tail]
-        self.kv.free(request)
+        if loading:  # the worker is writing its blocks: they are freed once it reports the load done
+            self.loads.orphans[request_id] = request
+        elif request.hold_kv and reason != "abort":
+            self.held[request_id] = request
+        else:
+            self.kv.free(request)
         self._finished_ids.append(request_id)
         return request
 
@@ -77,9 +119,10 @@ class Scheduler:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             drafts = self._drafts_to_verify(request, n, budget)
-            while not self.kv.can_allocate(request, n + len(drafts)):
-                if drafts:  # drop the drafts before preempting anyone
-                    drafts = []
+            ahead = self._lookahead(request, n + len(drafts))
+            while not self.kv.can_allocate(request, n + len(drafts) + ahead):
+                if drafts or ahead:  # drop the drafts before preempting anyone
+                    drafts, ahead = [], 0
                     continue
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -87,7 +130,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                new_blocks = self.kv.allocate(request, n + len(drafts))
+                new_blocks = self.kv.allocate(request, n + len(drafts) + ahead)
                 plan.cached_requests.append(
                     CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
                 )
@@ -101,11 +144,24 @@ class Scheduler:
         return plan
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        if self.loads is not None and self.connector is not None:  # start the lookups of the next ones, together
+            self.loads.prefetch([(r, lambda r=r: self.kv.store_keys(r))
+                                 for r in itertools.islice(self.waiting, self.config.max_num_seqs)
+                                 if r.use_kv_store and r.params.prompt_logprobs is None])
+        while self.waiting and budget > 0 and len(self.running) + len(self.loads or ()) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.remote_kv is not None and request.remote_kv.path == "direct":
+                # the prefill engine holds every block of the prompt: what the device cache lacks is pulled
+                if not self._admit_pull(plan, request, self.kv.find_cached_prefix(request, len)):
+                    break
+                continue
             hit = self.kv.no_hit()
             if request.params.prompt_logprobs is None:  # prompt logprobs need every position computed
                 store = self.connector.num_loadable if self.connector is not None and request.use_kv_store else None
+                if store is not None and self.loads is not None:
+                    store = self.loads.store_view(request, lambda: self.kv.store_keys(request))
+                    if store is None:
+                        break  # its store lookup is still running: the step goes on without it
                 hit = self.kv.find_cached_prefix(request, store)
             num_cached = hit.num_tokens
             n = request.num_tokens - num_cached
@@ -119,28 +175,55 @@ class Scheduler:
             self.kv.count_lookup(request.num_tokens, hit)
             if self.connector is not None:
                 self.connector.count_admitted(request.num_tokens, hit.num_loaded_blocks)
-            if hit.num_new_blocks:  # store blocks, filled by the worker before the forward
+            if hit.num_new_blocks:  # store blocks, filled by the worker before the forward (or in the background)
                 plan.kv_loads[request.request_id] = [KVBlockRef(k, b) for k, b in self.kv.load_targets(request, hit)]
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            plan.new_requests.append(
-                NewRequestData(
-                    request_id=request.request_id,
-                    token_ids=request.all_token_ids,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    block_ids=block_ids,
-                    num_computed_tokens=num_cached,
-                    params=request.params,
-                    seed=request.seed,
-                    eos_token_ids=request.eos_token_ids,
-                )
-            )
-            self._plan_tokens(plan, request, n)
-            budget -= n
+            loading = self.loads is not None and hit.num_new_blocks > 0
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS if loading else RequestStatus.RUNNING
+            if loading:
+                self.loads.start(request, len(plan.kv_loads[request.request_id]))
+            else:
+                self.running.append(request)
+            if request.remote_kv is not None:  # from the store: complete if it held every full block of the prompt
+                complete = num_cached >= request.remote_kv.num_tokens // self.kv.block_size * self.kv.block_size
+                if not (loading and complete):
+                    if self.loads is not None:
+                        self.loads.arrived(request.request_id, complete)
+                    request.remote_kv = None
+            plan.new_requests.append(self._new_request_data(request, block_ids))
+            if not loading:
+                self._plan_tokens(plan, request, n)
+                budget -= n
         return budget
+
+    def _admit_pull(self, plan: StepPlan, request: Request, hit: PrefixHit) -> bool:
+        """Admits a decode request whose prompt KV a prefill engine holds: it takes blocks for every position, and the
+        ones the device cache lacks (the partial last block included) are pulled while it waits. False: no room."""
+        n = request.num_tokens - hit.num_tokens  # the prompt's uncached tail and the first output token's position
+        if not self.kv.can_allocate(request, n, hit):
+            return False
+        block_ids = self.kv.allocate(request, n, hit)
+        self.waiting.popleft()
+        self.kv.count_lookup(request.num_tokens, hit)
+        remote = request.remote_kv
+        first = sum(b != LOAD for b in hit.blocks[0])  # device-cached blocks come first, pulled ones after
+        end = -(-remote.num_tokens // self.kv.block_size)
+        table = self.kv.block_ids(request.request_id)
+        plan.kv_pulls[request.request_id] = KVPull(remote.address, remote.handoff_id, list(range(first, end)),
+                                                   table[first:end])
+        request.num_computed_tokens = request.num_cached_tokens = remote.num_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.loads.start(request, end - first)
+        plan.new_requests.append(self._new_request_data(request, block_ids))
+        return True
+
+    def _new_request_data(self, request: Request, block_ids: list[list[int]]) -> NewRequestData:
+        return NewRequestData(request_id=request.request_id, token_ids=request.all_token_ids,
+                              num_prompt_tokens=request.num_prompt_tokens, block_ids=block_ids,
+                              num_computed_tokens=request.num_computed_tokens, params=request.params,
+                              seed=request.seed, eos_token_ids=request.eos_token_ids)
 
     def _drafts_to_verify(self, request: Request, n: int, budget: int) -> list[int]:
         """The request's drafts that fit this step: after all its known tokens, within the token budget, and no more
@@ -152,6 +235,11 @@ class Scheduler:
         if request.params.max_tokens is not None:
             room = min(room, request.params.max_tokens - len(request.output_token_ids) - 1)
         return drafts[: max(room, 0)]
+
+    def _lookahead(self, request: Request, num_tokens: int) -> int:
+        if not self.draft_lookahead or request.num_computed_tokens + num_tokens < request.num_tokens:
+            return 0
+        return max(0, min(self.draft_lookahead, self.max_model_len - request.num_computed_tokens - num_tokens))
 
     def _plan_tokens(self, plan: StepPlan, request: Request, n: int, num_drafts: int = 0) -> None:
         """n known tokens (and num_drafts drafts after them) computed this step; only known tokens are saved."""
@@ -180,6 +268,8 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Applies a step's result; returns the requests that advanced (finished ones included)."""
         self._roll_back_failed_loads(plan, result)
+        if self.loads is not None:
+            self._loads_done(result.kv_loads_done)
         advanced = []
         for request_id, n in plan.num_tokens.items():
             request = self.requests.get(request_id)
@@ -210,25 +300,57 @@ class Scheduler:
             advanced.append(request)
         return advanced
 
+    def _loads_done(self, done: dict[str, int]) -> None:
+        """Background loads the worker finished: a request runs from its first block that did not arrive."""
+        for request_id, num_ok in done.items():
+            orphan = self.loads.orphans.pop(request_id, None)
+            if orphan is not None:
+                self.kv.free(orphan)
+                continue
+            request = self.loads.loading.pop(request_id, None)
+            promised = self.loads.promised.pop(request_id, 0)
+            if request is None:
+                continue
+            self.loads.forget(request_id)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            remote, request.remote_kv = request.remote_kv, None  # a later preemption recomputes locally
+            if remote is not None:
+                self.loads.arrived(request_id, num_ok == promised)
+            if remote is not None and remote.path == "direct":
+                if num_ok < promised:  # the pulled blocks are the prompt's last `promised`; a broken one ends them
+                    end = -(-remote.num_tokens // self.kv.block_size)
+                    request.num_computed_tokens = min(remote.num_tokens, (end - promised + num_ok) * self.kv.block_size)
+                    if request.num_preemptions == 0:
+                        request.num_cached_tokens = request.num_computed_tokens
+            elif num_ok < promised:
+                self._roll_back(request, promised - num_ok)
+
     def _roll_back_failed_loads(self, plan: StepPlan, result: StepResult) -> None:
+        """Loads inside the step (no background loads): a request whose chain broke sat this step out."""
+        for request_id, num_ok in result.kv_load_failures.items():
+            request = self.requests.get(request_id)
+            lost = len(plan.kv_loads.get(request_id, ())) - num_ok
+            if request is None or request.status is not RequestStatus.RUNNING:
+                if self.connector is not None:
+                    self.connector.count_failed(lost)
+                continue
+            self._roll_back(request, lost)
+
+    def _roll_back(self, request: Request, num_lost_blocks: int) -> None:
         """A block the store promised but did not deliver, and every block after it, is recomputed. With layer
         groups a lost block can break any window, so the request starts over without the store."""
-        for request_id, num_ok in result.kv_load_failures.items():
-            num_lost_blocks = len(plan.kv_loads.get(request_id, ())) - num_ok
-            if self.connector is not None:
-                self.connector.count_failed(num_lost_blocks)
-            request = self.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue
-            if self.kv.layout.is_hybrid:
-                self.running.remove(request)
-                self._preempt(request)
-                request.use_kv_store, request.num_cached_tokens = False, 0
-                continue
-            lost = num_lost_blocks * self.kv.block_size
-            request.num_computed_tokens -= lost
-            if request.num_preemptions == 0:
-                request.num_cached_tokens -= lost
+        if self.connector is not None:
+            self.connector.count_failed(num_lost_blocks)
+        if self.kv.layout.is_hybrid:
+            self.running.remove(request)
+            self._preempt(request)
+            request.use_kv_store, request.num_cached_tokens = False, 0
+            return
+        lost = num_lost_blocks * self.kv.block_size
+        request.num_computed_tokens -= lost
+        if request.num_preemptions == 0:
+            request.num_cached_tokens -= lost
 
     def append_tokens(self, request_id: str, tokens: list[int]) -> int:
         """Appends tokens decided without a model step (grammar jump-forward); they are computed in a

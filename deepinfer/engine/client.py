@@ -25,13 +25,24 @@ from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from deepinfer.engine.engine import Engine, EngineStats
+    from deepinfer.disagg.params import KVTransferParams
+    from deepinfer.engine.engine import Engine, EngineStats, ReplicaStatus
 
 logger = logging.getLogger("deepinfer.client")
 
 
 class EngineOverloaded(RuntimeError):
     """The engine's waiting queue is at max_waiting_requests; retry later."""
+
+
+def default_max_waiting(num_blocks: int, max_num_seqs: int) -> int:
+    """The waiting-queue bound when none is configured: the KV cache's block count, and at least max_num_seqs.
+
+    Every admitted sequence holds at least one KV block, so a queue longer than the cache has blocks could not be
+    admitted even if every running sequence finished at once; past that the engine answers 503 + Retry-After (the
+    client retries, or a router sends the request elsewhere) instead of letting memory grow until the process dies.
+    """
+    return max(num_blocks, max_num_seqs)
 
 
 class EngineNotReady(RuntimeError):
@@ -49,6 +60,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     accepted: asyncio.Future
+    kv_transfer: KVTransferParams | None = None
 
 
 @dataclass
@@ -59,6 +71,13 @@ class _Abort:
 @dataclass
 class _Stop:
     pass
+
+
+@dataclass
+class _Call:
+    """Runs fn(engine) on the engine thread between steps (read-only queries that must not race a step)."""
+    fn: Callable[[Engine], Any]
+    done: asyncio.Future
 
 
 class RequestStream:
@@ -103,7 +122,7 @@ class AsyncEngineClient:
 
     def __init__(self, engine_factory: Callable[[], Engine]) -> None:
         self._factory = engine_factory
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop | _Call] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -112,6 +131,7 @@ class AsyncEngineClient:
         self._stats: EngineStats | None = None
         self._dead: BaseException | None = None
         self._live: set[str] = set()  # request ids inside the engine; touched only by the engine thread
+        self.step_failures = 0  # engine steps that raised (each aborted every request in flight)
 
     # ---- life cycle (event loop side) -----------------------------------------------------
     def start(self) -> None:
@@ -148,6 +168,14 @@ class AsyncEngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def max_waiting_requests(self) -> int:
+        """Sequences that may wait for the engine at once (configured, or derived from the KV capacity)."""
+        sc = self.engine.config.scheduler
+        if sc.max_waiting_requests is not None:
+            return sc.max_waiting_requests
+        return default_max_waiting(self.engine.num_blocks, sc.max_num_seqs)
+
     async def shutdown(self) -> None:
         """Aborts what is in flight and stops the engine thread."""
         self.abort_all()
@@ -158,7 +186,8 @@ class AsyncEngineClient:
 
     # ---- requests (event loop side) --------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None,
+                          kv_transfer: KVTransferParams | None = None) -> RequestStream:
         """Queues a request once the engine thread has validated it.
 
         Raises ValueError (bad prompt or params), EngineOverloaded (waiting queue full) or
@@ -172,7 +201,8 @@ class AsyncEngineClient:
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         accepted = self._loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, time.time() if arrival_time is None else arrival_time, accepted))
+        self._commands.put(_Add(request_id, prompt, params, time.time() if arrival_time is None else arrival_time, accepted,
+                                kv_transfer))
         try:
             await accepted
         except BaseException:
@@ -215,6 +245,14 @@ class AsyncEngineClient:
     async def detokenize(self, token_ids: list[int]) -> str:
         return await asyncio.to_thread(self.engine.tokenizer.decode, token_ids)
 
+    async def replica_status(self, since: int | None, epoch: str | None) -> ReplicaStatus:
+        """Engine.replica_status, answered between two steps (at once when the engine is idle)."""
+        if not self.ready:
+            raise EngineNotReady("the model is still loading" if self._dead is None else f"the engine failed: {self._dead}")
+        done = self._loop.create_future()
+        self._commands.put(_Call(lambda engine: engine.replica_status(since, epoch), done))
+        return await done
+
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -236,6 +274,7 @@ class AsyncEngineClient:
                 outputs = engine.step()
             except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
                 logger.exception("engine step failed; aborting every request in flight")
+                self.step_failures += 1
                 self._abort_in_engine(engine)
                 self._loop.call_soon_threadsafe(self._fail_all, e)
                 continue
@@ -256,7 +295,12 @@ class AsyncEngineClient:
         while command is not None:
             if isinstance(command, _Stop):
                 return False
-            if isinstance(command, _Abort):
+            if isinstance(command, _Call):
+                try:
+                    self._loop.call_soon_threadsafe(_settle, command.done, command.fn(engine), None)
+                except Exception as e:  # noqa: BLE001 - the caller gets the error
+                    self._loop.call_soon_threadsafe(_settle, command.done, None, e)
+            elif isinstance(command, _Abort):
                 engine.abort_request(command.request_id)
                 self._live.discard(command.request_id)
             else:
@@ -267,13 +311,14 @@ class AsyncEngineClient:
 
     def _add(self, engine: Engine, command: _Add) -> None:
         error: BaseException | None = None
-        limit = engine.config.scheduler.max_waiting_requests
+        limit = self.max_waiting_requests
         waiting = engine.stats().num_waiting
-        if limit is not None and waiting + command.params.n > limit:
+        if waiting + command.params.n > limit:
             error = EngineOverloaded(f"{waiting} requests are waiting, the limit is {limit}")
         else:
             try:
-                engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+                engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time,
+                                   command.kv_transfer)
                 self._live.add(command.request_id)
             except ValueError as e:
                 error = e

@@ -17,9 +17,11 @@ from deepinfer.core.kv_manager import KVCacheManager, ReplayStats
 from deepinfer.core.request import Request
 from deepinfer.core.scheduler import Scheduler
 from deepinfer.core.spec import SpecDecodeStats
+from deepinfer.engine.handoff import EngineHandoff, HandoffStats, KVTransferParams
 from deepinfer.engine.io import RequestState, new_sequence, record_step_metrics
 from deepinfer.kvstore.connector import KVStoreConnector, KVStoreConnectorStats, model_identity
 from deepinfer.engine.structured import StructuredOutputs
+from deepinfer.engine.sizing import default_kv_cache_memory, max_tokens_fitting, mix_seed
 from deepinfer.engine.timing import StepTimes
 from deepinfer.models.loader import load_model_files, load_tokenizer
 from deepinfer.outputs import RequestMetrics, RequestOutput
@@ -49,6 +51,7 @@ class EngineStats:
     peak_kv_blocks: int = 0  # most blocks held by requests at once since start-up
     moe_load: MoELoadStats | None = None  # expert parallelism only: moe_lb over the last moe_lb_window steps
     spec_decode: SpecDecodeStats | None = None  # speculative decoding only: drafted and accepted tokens
+    handoff: HandoffStats | None = None  # prefill and decode roles only: KV hand-offs
 
 
 @dataclass(frozen=True)
@@ -65,40 +68,6 @@ class ReplicaStatus:
     keys: KeyEvents  # the first layer group's block keys, a diff or a snapshot
     model_key: str  # the root of every key chain (core/prefix_cache.root_key), with block_size
     block_size: int
-
-
-def default_kv_cache_memory(device: str = "cpu") -> int:
-    """On a CPU, a fifth of the available RAM, between 256 MiB and 4 GiB; on a GPU, 80% of its free memory once
-    the weights are loaded (as vLLM's gpu_memory_utilization leaves headroom for activations)."""
-    if device.startswith("cuda"):
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        return int(free * 0.8)
-    available = 4 << 30
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return max(256 << 20, min(4 << 30, available // 5))
-
-
-def _mix_seed(seed: int, index: int) -> int:
-    # splitmix64 finalizer: distinct, reproducible seeds for the n samples of one seeded request
-    z = (seed + 0x9E3779B97F4A7C15 * (index + 1)) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
-
-
-def _max_tokens_fitting(layout: KVLayout, num_blocks: int, block_size: int, max_chunk: int) -> int:
-    """The longest single sequence the pool holds (sliding groups only keep their window plus one chunk)."""
-    low, high = 0, num_blocks * block_size
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if layout.blocks_for(mid, block_size, max_chunk) <= num_blocks else (low, mid - 1)
-    return low
 
 
 class Engine:
@@ -124,7 +93,7 @@ class Engine:
         budget = cc.kv_cache_memory or default_kv_cache_memory(self.compute.device)
         num_blocks = budget // per_block
         chunk = config.scheduler.max_num_batched_tokens
-        capacity = _max_tokens_fitting(layout, num_blocks, cc.block_size, chunk)
+        capacity = max_tokens_fitting(layout, num_blocks, cc.block_size, chunk)
         if capacity < max_len:
             if mc.max_model_len is not None or capacity < cc.block_size:
                 raise ValueError(
@@ -143,8 +112,13 @@ class Engine:
 
         # ---- KV store (issue 5): the scheduler half asks it, the worker half loads and saves blocks
         self.kv_store = KVStoreConnector.open(config.kv_store, cc.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv, max_len, self.kv_store)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_len, self.kv_store,
+                                   draft_lookahead=spec.num_speculative_tokens - 1 if spec.speculative_method == "mtp"
+                                   else 0, async_loads=config.scheduler.async_kv_loads,
+                                   remote_kv=config.disagg.role == "decode")
         self.executor.initialize_cache(num_blocks, layout, self.kv_store)
+        self.handoff = EngineHandoff(config.disagg, self.scheduler, self.kv, self.kv_store, self.executor, num_blocks,
+                                     per_block, int(files.hf_config["vocab_size"]))  # prefill and decode roles
         if self.kv_store is not None:
             self._close_kv_store = weakref.finalize(self, self.kv_store.close)  # queued saves land even at exit
         # ---- end KV store
@@ -198,12 +172,13 @@ class Engine:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Validates and queues a request; raises ValueError naming what is wrong."""
+                    arrival_time: float | None = None, kv_transfer: KVTransferParams | None = None) -> None:
+        """Validates and queues a request (kv_transfer: a prefill/decode hand-off); ValueError names what is wrong."""
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenize(prompt)
         self._validate(token_ids, params)
+        self.handoff.check(kv_transfer, params)
         grammar = self.structured.compile(params.so_args) if params.so_args is not None else None
         arrival = time.time() if arrival_time is None else arrival_time
         state = RequestState(
@@ -222,11 +197,13 @@ class Engine:
             if params.seq_seed is None:
                 seed = secrets.randbits(63)
             else:
-                seed = params.seq_seed if i == 0 else _mix_seed(params.seq_seed, i)
+                seed = params.seq_seed if i == 0 else mix_seed(params.seq_seed, i)
             self._children[child_id] = (request_id, i)
             if grammar is not None:
                 self.structured.add(child_id, grammar)
-            self.scheduler.add(Request(child_id, token_ids, child_params, seed, arrival, self.eos_token_ids))
+            request = Request(child_id, token_ids, child_params, seed, arrival, self.eos_token_ids)
+            self.handoff.prepare(request, kv_transfer)
+            self.scheduler.add(request)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
@@ -258,33 +235,52 @@ class Engine:
             self._children.pop(child_id, None)
             self.structured.remove(child_id)
             self._appended.pop(child_id, None)
-            self.scheduler.finish(child_id, "abort")
+            self.handoff.aborted(self.scheduler.finish(child_id, "abort"))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._states)
+        """Requests in flight, or KV hand-offs held for decode engines (released by later steps)."""
+        return bool(self._states) or self.handoff.busy
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         clock = time.perf_counter()
+        self.handoff.before_step(idle=not self._states)
         plan = self.scheduler.schedule()
+        failed: list[str] = []
         if self.structured:
             plan.grammar_masks = self.structured.masks(plan)
+            failed = self.structured.dead_ends(plan.grammar_masks)
+            if failed:  # those sequences end with an error; everyone else's step goes on
+                plan = plan.without(failed)
         plan.appended_token_ids, self._appended = self._appended, {}
         clock = self._lap("schedule", clock)
         result = self.executor.execute(plan)
         for phase, seconds in result.timings.items():
             self.step_times.add(phase, seconds)
         clock = time.perf_counter()
-        advanced = self.scheduler.update(plan, result)
+        advanced = self.handoff.after_update(self.scheduler.update(plan, result), result)
         if self.structured:
             self._advance_grammars(advanced, result)
         clock = self._lap("update", clock)
         self.step_times.steps += 1
-        outputs = self._outputs(advanced, result)
+        outputs = self._outputs(advanced, result) + [self._fail(rid) for rid in failed if rid in self._children]
+        self.handoff.finish_outputs(outputs)
         self._lap("output", clock)
         if self.scheduler.has_pending_saves() and not self.scheduler.has_unfinished():
             self.executor.execute(self.scheduler.schedule())  # idle now: hand finished tails to the KV store
         return outputs
+
+    def _fail(self, child_id: str) -> RequestOutput:
+        """Ends the whole request of a sequence that cannot continue: its output carries the error."""
+        parent_id, _ = self._children[child_id]
+        state = self._states[parent_id]
+        message = "the output grammar allows no token of this model's vocabulary at this point"
+        for seq in state.sequences:
+            seq.finish_reason = seq.finish_reason or "error"
+        self.abort_request(parent_id)
+        out = state.to_output()
+        out.error = message
+        return out
 
     def _lap(self, phase: str, since: float) -> float:
         now = time.perf_counter()
@@ -362,6 +358,7 @@ class Engine:
         shuts the executor down."""
         if self.kv_store is not None:
             self._close_kv_store()
+        self.handoff.close()
         self.executor.shutdown()
 
     def stats(self) -> EngineStats:
@@ -380,6 +377,7 @@ class Engine:
             peak_kv_blocks=self.kv.pool.peak_in_use,
             moe_load=self.executor.load_stats() if isinstance(self.executor, EPExecutor) else None,
             spec_decode=copy.deepcopy(self.scheduler.spec_stats) if self.config.spec.enabled else None,
+            handoff=self.handoff.stats(),
         )
 
     def replica_status(self, since: int | None = None, epoch: str | None = None) -> ReplicaStatus:

@@ -30,6 +30,8 @@ class SequenceText:
         for token in tokens:
             self.num_tokens += 1
             self.token_ids.append(token)
+            if not self.params.detokenize:
+                continue
             piece = self.stream.step(tokenizer, token)
             if not piece:
                 continue

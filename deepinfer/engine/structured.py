@@ -75,6 +75,15 @@ class StructuredOutputs:
             masks[rid] = rows if accepted else rows[0]
         return masks
 
+    @staticmethod
+    def dead_ends(masks: dict) -> list[str]:
+        """Constrained sequences whose grammar allows no token of this vocabulary (a character no token spells):
+        they cannot continue, and sampling them would fail the whole step."""
+        def empty(mask) -> bool:
+            first = mask[0] if isinstance(mask, list) else mask
+            return not bool(first.any())
+        return [rid for rid, mask in masks.items() if empty(mask)]
+
     def only_stop_allowed(self, request_id: str) -> bool:
         """Whether the request is constrained and its grammar complete: the next token can only be a stop token."""
         matcher = self._matchers.get(request_id)

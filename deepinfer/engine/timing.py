@@ -3,20 +3,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-PHASES = ("schedule", "prepare", "forward", "sample", "update", "output")
+PHASES = ("schedule", "prepare", "forward", "sample", "propose", "update", "output")
 
 
 @dataclass
 class StepTimes:
     """schedule: plan and grammar masks; prepare: the runner's input tensors and metadata; forward: the model and
-    its logits; sample: the sampler; update: scheduler bookkeeping and grammars; output: detokenize, stop strings
-    and request outputs. Seconds, summed over `steps` steps."""
+    its logits; sample: the sampler (and draft verification); propose: the next step's drafts; update: scheduler
+    bookkeeping and grammars; output: detokenize, stop strings and request outputs. Seconds, summed over `steps`
+    steps."""
 
     steps: int = 0
     schedule: float = 0.0
     prepare: float = 0.0
     forward: float = 0.0
     sample: float = 0.0
+    propose: float = 0.0  # speculative decoding: the next step's drafts
     update: float = 0.0
     output: float = 0.0
 

@@ -7,38 +7,18 @@ other one, and never by another model, dtype or tenant.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
-from hashlib import blake2b
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 from deepinfer.kvstore.base import Clock, KVStore, KVStoreConfig, TierStats
 from deepinfer.kvstore.factory import make_store
+from deepinfer.kvstore.identity import model_identity  # noqa: F401 - the engine builds its block-key root with it
 from deepinfer.kvstore.saver import AsyncSaver, SaverStats
 
 logger = logging.getLogger("deepinfer.kvstore")
-
-_WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
-
-
-def model_identity(path: str, hf_config: Mapping[str, Any], dtype: str, batch_invariant: bool) -> str:
-    """Names the numbers a KV block holds: weights (file name and sizes), architecture, dtype and kernel mode.
-
-    Batch-invariant kernels round differently from the default ones, so their blocks are kept apart:
-    mixing them would break bit-for-bit reproducibility.
-    """
-    path = os.path.normpath(path)
-    if os.path.isdir(path):
-        sizes = ",".join(f"{name}:{os.path.getsize(os.path.join(path, name))}"
-                         for name in sorted(os.listdir(path)) if name.endswith(_WEIGHT_SUFFIXES))
-    else:
-        sizes = str(os.path.getsize(path)) if os.path.isfile(path) else "0"
-    arch = blake2b(json.dumps(dict(hf_config), sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
-    return f"{os.path.basename(path)}|{sizes}|{arch}|{dtype}|{'batch-invariant' if batch_invariant else 'default'}"
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,10 @@ Redis being down must cost the engine almost nothing: no client-side retries,
 short socket timeouts, and after a connection failure the store stays quiet for
 `retry_after` seconds (every call in that window is a counted miss or dropped
 save) before it tries the server again, so it reconnects on its own when Redis
-comes back.
+comes back. Each further failure in a row doubles the quiet time, up to
+`max_retry_after`: a hung server (connections open, no answers) costs one socket
+timeout per quiet period, so the engine, whose scheduler asks the store on its
+critical path, spends ever less of its time waiting on it.
 """
 from __future__ import annotations
 
@@ -34,12 +37,15 @@ class RedisStore(KVStore):
         socket_timeout: float = 2.0,
         connect_timeout: float = 0.5,
         retry_after: float = 1.0,  # seconds, on time.monotonic
+        max_retry_after: float = 30.0,
     ) -> None:
         super().__init__(config, clock)
         if not config.redis_url:
             raise ValueError("RedisStore needs config.redis_url")
         self.namespace = namespace.encode()
         self.retry_after = retry_after
+        self.max_retry_after = max_retry_after
+        self._failures_in_a_row = 0
         self._client = redis.Redis.from_url(
             config.redis_url,
             socket_timeout=socket_timeout,
@@ -61,6 +67,7 @@ class RedisStore(KVStore):
         except redis.RedisError as exc:
             self._failed(exc)
             return 0
+        self._answered()
         for i, present in enumerate(found):
             if not present:
                 return i
@@ -84,6 +91,7 @@ class RedisStore(KVStore):
         except redis.RedisError as exc:
             self._failed(exc)
             return
+        self._answered()
         self._counters.add("bytes_written", len(payload))
 
     def stats(self) -> KVStoreStats:
@@ -103,6 +111,7 @@ class RedisStore(KVStore):
         except redis.RedisError as exc:
             self._failed(exc)
             return None
+        self._answered()
         if data is None:
             return None
         try:
@@ -124,11 +133,17 @@ class RedisStore(KVStore):
             self._counters.add("connection_errors")
         return not down
 
+    def _answered(self) -> None:
+        with self._lock:
+            self._failures_in_a_row = 0
+
     def _failed(self, exc: redis.RedisError) -> None:
         if isinstance(exc, _CONNECTION_ERRORS):
             self._counters.add("connection_errors")
             with self._lock:
-                self._down_until = time.monotonic() + self.retry_after
+                quiet = min(self.retry_after * 2**self._failures_in_a_row, self.max_retry_after)
+                self._failures_in_a_row += 1
+                self._down_until = time.monotonic() + quiet
         else:
             self._counters.add("io_errors")  # e.g. OOM under maxmemory, READONLY replica
 

@@ -153,8 +153,9 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     @staticmethod
     def _mtp_layer(config, rotary: RotaryEmbedding, k: int) -> MTPLayer:
-        # The block caches at index 0 of the MTP's own scratch context (spec/mtp.py), not in the paged cache.
-        block = DeepseekV3DecoderLayer(config, config.num_hidden_layers + k, rotary, cache_index=0)
+        # The block caches after the main layers: at L + k in the paged cache, or in a scratch one (spec/mtp.py).
+        block = DeepseekV3DecoderLayer(config, config.num_hidden_layers + k, rotary,
+                                       cache_index=config.num_hidden_layers + k)
         shape = (1, block.self_attn.cache_entry_dim, 0)
         return MTPLayer(config.hidden_size, config.rms_norm_eps, block, shape)
 
@@ -165,8 +166,10 @@ class DeepseekV3ForCausalLM(CausalLM):
         return self.lm_head(hidden).float()
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
-        """One single-head K row per token and layer: latent + RoPE key; no V (MLA recovers it from the latent)."""
-        return [KVCacheSpec(1, layer.self_attn.cache_entry_dim, 0) for layer in self.model.layers]
+        """One single-head K row per token and layer: latent + RoPE key; no V (MLA recovers it from the latent). MTP
+        layers, when loaded, cache after the main layers."""
+        layers = list(self.model.layers) + ([m.block for m in self.mtp.layers] if self.mtp is not None else [])
+        return [KVCacheSpec(1, layer.self_attn.cache_entry_dim, 0) for layer in layers]
 
     def moe_layers(self) -> list[MoE]:
         """The main model's MoE layers in order (MTP's are not among them): EPLB's layer index is the place here."""

@@ -11,6 +11,7 @@ from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding, rope_frequencies
 from deepinfer.core.kv_layout import KVCacheSpec
 from deepinfer.models.base import CausalLM
+from deepinfer.spec.mtp import MTPLayer, MultiTokenPredictor
 
 
 class LlamaAttention(nn.Module):
@@ -99,6 +100,18 @@ class LlamaForCausalLM(CausalLM):
         qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
         self.model = LlamaModel(config, max_positions, qkv_bias, self.qk_norm)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp: MultiTokenPredictor | None = None  # an MTP draft head, attached after loading (build_mtp)
+        self._qkv_bias = qkv_bias
+
+    def build_mtp(self) -> MultiTokenPredictor:
+        """An (untrained) DeepSeek-style MTP layer for this model: a decoder layer like the others, caching after
+        them. spec/mtp_head.py loads a trained one into it."""
+        config = self.config
+        rotary = self.model.layers[0].self_attn.rotary
+        block = LlamaDecoderLayer(config, config.num_hidden_layers, rotary, self._qkv_bias, self.qk_norm)
+        attn = block.self_attn
+        return MultiTokenPredictor([MTPLayer(config.hidden_size, config.rms_norm_eps, block,
+                                             (attn.num_kv_heads, attn.head_dim, attn.head_dim))])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -107,9 +120,11 @@ class LlamaForCausalLM(CausalLM):
         return self.lm_head(hidden).float()
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """Per attention layer; an attached MTP layer caches after the main ones."""
+        layers = list(self.model.layers) + ([m.block for m in self.mtp.layers] if self.mtp is not None else [])
         return [
             KVCacheSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, layer.self_attn.head_dim, layer.self_attn.attn.sliding_window)
-            for layer in self.model.layers
+            for layer in layers
         ]
 
     def optional_weights(self) -> set[str]:

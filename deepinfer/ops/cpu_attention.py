@@ -12,6 +12,7 @@ cpp_extension (g++, ninja) into torch's extension cache; if that fails the engin
 from __future__ import annotations
 
 import functools
+import os
 import logging
 from types import ModuleType
 
@@ -24,18 +25,21 @@ _SOURCE = r"""
 #include <cmath>
 #include <vector>
 
+#include "vexp.h"
+
 // One segment (count <= block_size consecutive keys of one block) for the G query heads of one (query, KV head):
 // the online-softmax update. noinline: decode and prefill run this very machine code in the same order of segments,
 // so a token's result does not depend on which path computed it (batch-invariant mode relies on it).
-template <int DIM>
+template <int DIM, int GROUP>  // GROUP 0: the group size is only known at run time (`group`)
 __attribute__((noinline)) static void block_step(const float* __restrict__ qh, const float* __restrict__ kb,
                                                  const float* __restrict__ vb, int64_t count, int64_t stride,
                                                  int64_t group, int64_t block_size, float scale,
                                                  float* __restrict__ scores, float* __restrict__ acc,
                                                  float* __restrict__ row_max, float* __restrict__ row_sum) {
+  const int64_t G = GROUP > 0 ? GROUP : group;
   for (int64_t i = 0; i < count; ++i) {  // each key read once, scored for the G query heads sharing it
     const float* __restrict__ k = kb + i * stride;
-    for (int64_t g = 0; g < group; ++g) {
+    for (int64_t g = 0; g < G; ++g) {
       const float* __restrict__ qg = qh + g * DIM;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -43,18 +47,16 @@ __attribute__((noinline)) static void block_step(const float* __restrict__ qh, c
       scores[g * block_size + i] = dot * scale;
     }
   }
-  for (int64_t g = 0; g < group; ++g) {  // one rescale per segment
+  for (int64_t g = 0; g < G; ++g) {  // one rescale per segment
     float* __restrict__ sg = scores + g * block_size;
     float block_max = -INFINITY;
     for (int64_t i = 0; i < count; ++i) block_max = std::max(block_max, sg[i]);
     const float new_max = std::max(row_max[g], block_max);
     const float rescale = std::exp(row_max[g] - new_max);
     row_max[g] = new_max;
+    exp_shifted(sg, count, new_max);
     float sum = 0.f;
-    for (int64_t i = 0; i < count; ++i) {
-      sg[i] = std::exp(sg[i] - new_max);
-      sum += sg[i];
-    }
+    for (int64_t i = 0; i < count; ++i) sum += sg[i];
     row_sum[g] = row_sum[g] * rescale + sum;
     float* __restrict__ a = acc + g * DIM;
 #pragma omp simd
@@ -62,7 +64,7 @@ __attribute__((noinline)) static void block_step(const float* __restrict__ qh, c
   }
   for (int64_t i = 0; i < count; ++i) {  // each value read once
     const float* __restrict__ v = vb + i * stride;
-    for (int64_t g = 0; g < group; ++g) {
+    for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * block_size + i];
       float* __restrict__ a = acc + g * DIM;
 #pragma omp simd
@@ -70,6 +72,7 @@ __attribute__((noinline)) static void block_step(const float* __restrict__ qh, c
     }
   }
 }
+
 
 // One (query, KV head) item: G query heads against the keys first..len-1 of one sequence, segment by segment.
 template <int DIM>
@@ -84,8 +87,17 @@ static void attend(const float* __restrict__ qh, const float* __restrict__ kp, c
   for (int64_t start = first; start < len;) {
     const int64_t block = start / block_size, stop = std::min(len, (block + 1) * block_size);
     const int64_t row0 = (table[block] * block_size + start - block * block_size) * kv_heads + h;
-    block_step<DIM>(qh, kp + row0 * DIM, vp + row0 * DIM, stop - start, stride, group, block_size, scale, scores,
-                    acc, row_max, row_sum);
+    const float* kb = kp + row0 * DIM;
+    const float* vb = vp + row0 * DIM;
+    const int64_t n = stop - start;
+    switch (group) {  // the group as a constant: its loops unroll and the accumulators stay in registers
+      case 1: block_step<DIM, 1>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
+      case 2: block_step<DIM, 2>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
+      case 3: block_step<DIM, 3>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
+      case 4: block_step<DIM, 4>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
+      case 8: block_step<DIM, 8>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
+      default: block_step<DIM, 0>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum);
+    }
     start = stop;
   }
   for (int64_t g = 0; g < group; ++g)
@@ -172,9 +184,10 @@ def load() -> ModuleType | None:
 
         # -march=native: the build is per instruction set, so its name says which (a shared cache stays safe)
         return load_inline(
-            name=f"deepinfer_cpu_attention_v4_{torch.backends.cpu.get_cpu_capability().lower()}",
+            name=f"deepinfer_cpu_attention_v6_{torch.backends.cpu.get_cpu_capability().lower()}",
             cpp_sources=[_SOURCE],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            extra_include_paths=[os.path.join(os.path.dirname(__file__), "csrc")],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

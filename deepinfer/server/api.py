@@ -5,43 +5,50 @@ import asyncio
 import json
 import logging
 import re
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from hashlib import blake2b
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deepinfer.disagg.params import KVTransferParams, request_transfer, with_transfer_params
 from deepinfer.engine.client import AsyncEngineClient, EngineNotReady, EngineOverloaded, RequestAborted, RequestStream
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.server.auth import Tenants, auth_checker, salted
 from deepinfer.server.metrics import CONTENT_TYPE, RequestTracker, ServerMetrics
+from deepinfer.server.openapi import openapi_document
 from deepinfer.server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList, TokenizeRequest,
-    parse_request,
+    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request,
 )
 from deepinfer.server.render import ChatRenderer, CompletionRenderer, Renderer, TokenText
+from deepinfer.server.replica_api import add_replica_routes
+from deepinfer.server.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 
 logger = logging.getLogger("deepinfer.server")
 
 RETRY_AFTER_S = "1"
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a 1M-token prompt as token ids is ~8 MB of JSON
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class ServerSettings:
     served_model_names: tuple[str, ...]
-    api_key: str | None = None
+    tenants: Tenants = field(default_factory=Tenants)  # API key -> tenant; empty: no key needed
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("served_model_names must name at least one model")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
 
     @property
     def model_name(self) -> str:
@@ -50,7 +57,7 @@ class ServerSettings:
 
 def build_app(engine_client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     """The app owns nothing global: its metrics registry, settings and drain flag live on app.state."""
-    metrics = ServerMetrics(engine_client.stats, settings.model_name)
+    metrics = ServerMetrics(engine_client.stats, settings.model_name, lambda: engine_client.step_failures)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -58,13 +65,28 @@ def build_app(engine_client: AsyncEngineClient, settings: ServerSettings) -> Fas
         yield
         await engine_client.shutdown()
 
-    app = FastAPI(title="deepinfer", lifespan=lifespan)
+    app = FastAPI(title="deepinfer", version="0.1.0", lifespan=lifespan)
     app.state.client = engine_client
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.draining = False
     _install_error_handlers(app, metrics)
-    auth = [Depends(_auth_checker(settings.api_key))]
+    auth = [Depends(auth_checker(settings.tenants))]
+
+    def openapi() -> dict[str, Any]:
+        """Cached once the model is loaded: then it states the vocabulary's bound on token ids."""
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        vocab = engine_client.engine.vocab_size if engine_client.ready else None
+        doc = openapi_document(app, settings.tenants.required, vocab)
+        if vocab is not None:
+            app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi
+
+    async def read(request: Request, model: type[T]) -> T:
+        return parse_request(model, await _read_body(request, settings.max_request_bytes))
     token_texts: list[TokenText] = []  # one decoded-token cache per app, made once the tokenizer is loaded
 
     def token_text() -> TokenText:
@@ -95,12 +117,20 @@ def build_app(engine_client: AsyncEngineClient, settings: ServerSettings) -> Fas
         except ValueError as e:
             raise APIError(400, str(e), param=body.structured_output()[0]) from None
 
+    def check_size(prompts: list, params: SamplingParams) -> None:
+        """A request with more sequences than may ever wait at once could never be queued: 400, not 503."""
+        limit = engine_client.max_waiting_requests
+        if len(prompts) * params.n > limit:
+            raise APIError(400, f"{len(prompts)} prompt(s) x n={params.n} is more sequences than this server queues at "
+                                f"once ({limit}); split the request", param="n" if params.n > 1 else "prompt")
+
     async def generate(request: Request, renderer: Renderer, prompts: list, params: SamplingParams,
-                       stream: bool) -> Response:
+                       stream: bool, transfer: KVTransferParams | None = None) -> Response:
+        check_size(prompts, params)
         arrival = time.time()
         ids = [f"{renderer.request_id}-{i}" for i in range(len(prompts))]
-        streams = await _add_all(engine_client, ids, prompts, params, arrival)
-        trackers = [metrics.tracker() for _ in streams]
+        streams = await _add_all(engine_client, ids, prompts, params, arrival, transfer)
+        trackers = [metrics.tracker(params) for _ in streams]
 
         def abort_unfinished() -> None:
             for s, tracker in zip(streams, trackers):
@@ -112,32 +142,34 @@ def build_app(engine_client: AsyncEngineClient, settings: ServerSettings) -> Fas
         if stream:
             return _SSEResponse(_sse(renderer, outputs), abort_unfinished)
         finals = await _collect_unless_disconnected(request, outputs, len(streams))
-        return Response(renderer.full_response(finals), media_type="application/json")
+        return Response(with_transfer_params(renderer.full_response(finals), finals), media_type="application/json")
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
-        body: CompletionRequest = parse_request(CompletionRequest, await request.body())
+        body = await read(request, CompletionRequest)
         check_model(body.model)
-        params = _tenant_salted(_params(body.sampling_params), request, settings)
+        params = salted(_params(body.sampling_params), request.state.tenant)
         prompts = _params(body.prompts)
         check_serving()
         await check_constraint(body, params)
         renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", settings.model_name, params, token_text(), body)
-        _log(renderer.request_id, len(prompts), params, body.stream, body.user)
-        return await generate(request, renderer, prompts, params, bool(body.stream))
+        _log(renderer.request_id, request.state.tenant, len(prompts), params, body.stream, body.user)
+        transfer = _params(lambda: request_transfer(body.kv_transfer_params, len(prompts), params, bool(body.stream)))
+        return await generate(request, renderer, prompts, params, bool(body.stream), transfer)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
-        body: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
+        body = await read(request, ChatCompletionRequest)
         check_model(body.model)
-        params = _tenant_salted(_params(body.sampling_params), request, settings)
+        params = salted(_params(body.sampling_params), request.state.tenant)
         check_serving()
         await check_constraint(body, params)
         messages = [m.as_template_input() for m in body.messages]
         prompt = await _call(engine_client.apply_chat_template, messages)
         renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", settings.model_name, params, token_text(), body)
-        _log(renderer.request_id, 1, params, body.stream, body.user)
-        return await generate(request, renderer, [prompt], params, bool(body.stream))
+        _log(renderer.request_id, request.state.tenant, 1, params, body.stream, body.user)
+        transfer = _params(lambda: request_transfer(body.kv_transfer_params, 1, params, bool(body.stream)))
+        return await generate(request, renderer, [prompt], params, bool(body.stream), transfer)
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> JSONResponse:
@@ -159,8 +191,8 @@ def build_app(engine_client: AsyncEngineClient, settings: ServerSettings) -> Fas
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/tokenize", dependencies=auth)
-    async def tokenize(request: Request) -> JSONResponse:
-        body: TokenizeRequest = parse_request(TokenizeRequest, await request.body())
+    async def tokenize(request: Request) -> Response:
+        body = await read(request, TokenizeRequest)
         check_model(body.model)
         check_serving()
         engine = engine_client.engine
@@ -173,24 +205,45 @@ def build_app(engine_client: AsyncEngineClient, settings: ServerSettings) -> Fas
         else:
             tokens = list(engine.tokenizer(body.prompt, add_special_tokens=False).input_ids)
         strs = engine.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
-        return JSONResponse({"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens,
-                             "token_strs": strs})
+        answer = TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens, token_strs=strs)
+        return Response(answer.model_dump_json(), media_type="application/json")
 
     @app.post("/detokenize", dependencies=auth)
-    async def detokenize(request: Request) -> JSONResponse:
-        body: DetokenizeRequest = parse_request(DetokenizeRequest, await request.body())
+    async def detokenize(request: Request) -> Response:
+        body = await read(request, DetokenizeRequest)
         check_model(body.model)
         check_serving()
         vocab = engine_client.engine.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
-        return JSONResponse({"prompt": await engine_client.detokenize(body.tokens)})
+        answer = DetokenizeResponse(prompt=await engine_client.detokenize(body.tokens))
+        return Response(answer.model_dump_json(), media_type="application/json")
 
+    add_replica_routes(app, engine_client, auth)
     return app
 
 
 # ---- request plumbing ------------------------------------------------------------------------------
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 past `limit` bytes before it is read whole (a chunked body is cut off as it grows)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"the request body has {'more than ' if size > limit else ''}{size} bytes; this server "
+                         f"accepts at most {limit} (--max-request-bytes)", code="request_too_large")
+
 
 def _params(make: Callable[[], T]) -> T:
     """Runs a request's conversion; a ValueError becomes a 400 naming the field its message starts with."""
@@ -211,9 +264,9 @@ async def _call(fn: Callable[..., Awaitable[T]], *args: object) -> T:
 
 
 async def _add_all(client: AsyncEngineClient, ids: list[str], prompts: list, params: SamplingParams,
-                   arrival: float) -> list[RequestStream]:
+                   arrival: float, transfer: KVTransferParams | None = None) -> list[RequestStream]:
     """Queues every prompt or none: the first failure aborts the rest and becomes the HTTP error."""
-    results = await asyncio.gather(*(client.add_request(i, p, params, arrival) for i, p in zip(ids, prompts)),
+    results = await asyncio.gather(*(client.add_request(i, p, params, arrival, transfer) for i, p in zip(ids, prompts)),
                                    return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if not errors:
@@ -314,9 +367,11 @@ async def _sse(renderer: Renderer, outputs: AsyncIterator[tuple[int, RequestOutp
     yield "data: [DONE]\n\n"
 
 
-def _log(request_id: str, prompts: int, params: SamplingParams, stream: bool | None, user: str | None) -> None:
-    logger.info("%s: %d prompt(s), n=%d, max_tokens=%s, temperature=%s, stream=%s, user=%s",
-                request_id, prompts, params.n, params.max_tokens, params.temperature, bool(stream), user)
+def _log(request_id: str, tenant: str | None, prompts: int, params: SamplingParams, stream: bool | None,
+         user: str | None) -> None:
+    # the tenant's name, never its key; repr() keeps a client's 'user' string on one log line
+    logger.info("%s: tenant=%s, %d prompt(s), n=%d, max_tokens=%s, temperature=%s, stream=%s, user=%r",
+                request_id, tenant, prompts, params.n, params.max_tokens, params.temperature, bool(stream), user)
 
 
 # ---- errors and auth ----------------------------------------------------------------------------------
@@ -334,7 +389,16 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return _error_response(APIError(error.status_code, str(error.detail), type=kind), metrics)
+        # headers carry e.g. a 405's Allow
+        return _error_response(APIError(error.status_code, str(error.detail), type=kind, headers=error.headers), metrics)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_parameters(request: Request, error: RequestValidationError) -> JSONResponse:
+        # routes that let FastAPI validate their query parameters answer 400 in OpenAI's shape, not FastAPI's 422
+        first = error.errors()[0] if error.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return _error_response(APIError(400, f"invalid value for {param!r}: {first.get('msg', error)}", param=param),
+                               metrics)
 
     @app.exception_handler(EngineNotReady)
     async def not_ready(request: Request, error: EngineNotReady) -> JSONResponse:
@@ -346,26 +410,3 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
         return _error_response(APIError(500, f"internal error: {type(error).__name__}: {error}",
                                         type="server_error"), metrics)
-
-
-def _tenant_salted(params: SamplingParams, request: Request, settings: ServerSettings) -> SamplingParams:
-    """With API keys, each key is a prefix-cache tenant: its KV blocks never serve another key's requests."""
-    if not settings.api_key:
-        return params
-    key = request.headers.get("authorization", "").encode()  # already checked by _auth_checker
-    tenant = blake2b(key, digest_size=16, person=b"deepinfer-tenant").hexdigest()
-    return params.replace(cache_salt=f"{tenant}|{params.cache_salt or ''}")
-
-
-def _auth_checker(api_key: str | None) -> Callable[[Request], None]:
-    expected = f"Bearer {api_key}".encode() if api_key else None
-
-    def check(request: Request) -> None:
-        if expected is None:
-            return
-        given = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(given, expected):
-            raise APIError(401, "invalid or missing API key (expected 'Authorization: Bearer <key>')",
-                           code="invalid_api_key")
-
-    return check

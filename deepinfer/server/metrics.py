@@ -2,6 +2,7 @@
 
 Engine-wide numbers (queue lengths, KV usage, token and preemption counts) are read from the
 engine's latest stats snapshot at scrape time; per-request latencies are observed as outputs arrive.
+VLLM_DASHBOARD_METRICS lists what vLLM's Grafana dashboard (examples/online_serving/prometheus_grafana) reads.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from deepinfer.outputs import RequestOutput
+from deepinfer.disagg.metrics import handoff_metrics
+from deepinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from deepinfer.engine.engine import EngineStats
@@ -29,12 +32,25 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))  # vLLM's 1-2-5 series, to 5 million tokens
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+VLLM_DASHBOARD_METRICS = (
+    "vllm:e2e_request_latency_seconds", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:time_per_output_token_seconds", "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds", "vllm:gpu_cache_usage_perc", "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens", "vllm:request_success_total", "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+    "vllm:request_max_num_generation_tokens",
+)
 
 
 class _EngineStatsCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str,
+                 step_failures: Callable[[], int]) -> None:
         self._stats = stats
         self._model = model_name
+        self._step_failures = step_failures
 
     def collect(self) -> Iterable[Metric]:
         s = self._stats()
@@ -64,8 +80,49 @@ class _EngineStatsCollector(Collector):
             counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens),
             counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            counter("deepinfer:engine_step_failures", "Engine steps that raised; each aborted every request in flight.",
+                    self._step_failures()),
             *_kv_store_metrics(s.kv_store, self._model),
+            *_spec_and_moe_metrics(s, self._model),
+            *handoff_metrics(getattr(s, "handoff", None), self._model),
         ]
+
+
+def _spec_and_moe_metrics(s: EngineStats, model: str) -> list[Metric]:
+    """Speculative decoding with vLLM's vllm:spec_decode_* names (drafts, draft tokens, accepted tokens, accepted
+    per draft position), and expert parallelism's balance (deepinfer:moe_lb and the EPLB counters)."""
+    out: list[Metric] = []
+    spec = getattr(s, "spec_decode", None)
+    if spec is not None:
+        for name, doc, value in (
+                ("vllm:spec_decode_num_drafts", "Verified steps that carried drafts.", spec.num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model], value)
+            out.append(family)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by draft position.", labels=["model_name", "position"])
+        for i, accepted in enumerate(spec.accepted_per_position):
+            per_pos.add_metric([model, str(i)], accepted)
+        out.append(per_pos)
+    moe = getattr(s, "moe_load", None)
+    if moe is not None:
+        for name, doc, value, kind in (
+                ("deepinfer:moe_lb", "Busiest rank's expert rows over the mean, mean over MoE layers (1 = balanced).",
+                 moe.moe_lb, GaugeMetricFamily),
+                ("deepinfer:moe_lb_worst_layer", "moe_lb of the worst MoE layer.", moe.moe_lb_worst, GaugeMetricFamily),
+                ("deepinfer:ep_exchange_bytes_per_step", "Bytes one rank receives per step for the expert combine.",
+                 moe.exchange_bytes_per_step, GaugeMetricFamily),
+                ("deepinfer:eplb_longest_move_seconds", "Longest pause of an expert-weight move.", moe.longest_move_s,
+                 GaugeMetricFamily),
+                ("deepinfer:eplb_rebalances", "Expert placements applied.", moe.rebalances, CounterMetricFamily),
+                ("deepinfer:eplb_experts_moved", "Expert slots whose weights moved.", moe.experts_moved,
+                 CounterMetricFamily)):
+            family = kind(name, doc, labels=["model_name"])
+            family.add_metric([model], value)
+            out.append(family)
+    return out
 
 
 def _kv_store_metrics(kv: KVStoreConnectorStats | None, model: str) -> list[Metric]:
@@ -118,9 +175,10 @@ def _kv_store_metrics(kv: KVStoreConnectorStats | None, model: str) -> list[Metr
 class ServerMetrics:
     """One app's registry; tracker() times one request from its outputs."""
 
-    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str,
+                 step_failures: Callable[[], int] = lambda: 0) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(stats, model_name))
+        self.registry.register(_EngineStatsCollector(stats, model_name, step_failures))
         self._model = model_name
         self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time from arrival to the first generated token.",
                                ["model_name"], buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
@@ -128,6 +186,28 @@ class ServerMetrics:
                               ["model_name"], buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
         self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token.",
                               ["model_name"], buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self._tpot = Histogram("vllm:time_per_output_token_seconds", "Alias of vllm:inter_token_latency_seconds "
+                               "(the name older vLLM dashboards read).", ["model_name"], buckets=ITL_BUCKETS,
+                               registry=self.registry).labels(model_name)
+
+        def per_request(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(model_name)
+
+        self._queue = per_request("vllm:request_queue_time_seconds", "Arrival to first scheduled.", E2E_BUCKETS)
+        self._prefill = per_request("vllm:request_prefill_time_seconds", "First scheduled to first token.", E2E_BUCKETS)
+        self._decode = per_request("vllm:request_decode_time_seconds", "First token to last token.", E2E_BUCKETS)
+        self._inference = per_request("vllm:request_inference_time_seconds", "First scheduled to last token.",
+                                      E2E_BUCKETS)
+        self._prompt_len = per_request("vllm:request_prompt_tokens", "Prompt tokens of each finished request.",
+                                       TOKEN_BUCKETS)
+        self._generation_len = per_request("vllm:request_generation_tokens",
+                                           "Tokens generated by each finished request (all its n sequences).",
+                                           TOKEN_BUCKETS)
+        self._max_generation = per_request("vllm:request_max_num_generation_tokens",
+                                           "Longest of a finished request's n sequences, in tokens.", TOKEN_BUCKETS)
+        self._param_n = per_request("vllm:request_params_n", "The n of each finished request.", N_BUCKETS)
+        self._param_max_tokens = per_request("vllm:request_params_max_tokens",
+                                             "The max_tokens of each finished request that set one.", TOKEN_BUCKETS)
         self._success = Counter("vllm:request_success", "Requests that ended, by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._http = Counter("deepinfer:http_errors", "Requests answered with an error, by status code.",
@@ -139,15 +219,16 @@ class ServerMetrics:
     def count_error(self, status: int) -> None:
         self._http.labels(str(status)).inc()
 
-    def tracker(self) -> RequestTracker:
-        return RequestTracker(self)
+    def tracker(self, params: SamplingParams | None = None) -> RequestTracker:
+        return RequestTracker(self, params)
 
 
 class RequestTracker:
     """Feeds the latency histograms from one request's cumulative outputs."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, params: SamplingParams | None = None) -> None:
         self._m = metrics
+        self._params = params
         self._tokens = 0
         self._last_time: float | None = None
         self._ended = False
@@ -166,7 +247,9 @@ class RequestTracker:
             else:
                 new = tokens - self._tokens
             for _ in range(new):
-                self._m._itl.observe(max(0.0, (stamp - self._last_time) / max(new, 1)))
+                gap = max(0.0, (stamp - self._last_time) / max(new, 1))
+                self._m._itl.observe(gap)
+                self._m._tpot.observe(gap)
             self._last_time, self._tokens = stamp, tokens
         if out.finished and not self._ended:
             self._ended = True
@@ -174,6 +257,25 @@ class RequestTracker:
             self._m._e2e.observe(max(0.0, end - m.arrival_time))
             for choice in out.outputs:
                 self._m._success.labels(self._m._model, choice.finish_reason or "abort").inc()
+            self._finished(out, end)
+
+    def _finished(self, out: RequestOutput, end: float) -> None:
+        m, metrics = out.metrics, self._m
+        lengths = [len(choice.token_ids) for choice in out.outputs] or [0]
+        metrics._prompt_len.observe(len(out.prompt_token_ids))
+        metrics._generation_len.observe(sum(lengths))
+        metrics._max_generation.observe(max(lengths))
+        if self._params is not None:
+            metrics._param_n.observe(self._params.n)
+            if self._params.max_tokens is not None:
+                metrics._param_max_tokens.observe(self._params.max_tokens)
+        if m.first_scheduled_time is not None:
+            metrics._queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            last = m.last_token_time or end
+            metrics._inference.observe(max(0.0, last - m.first_scheduled_time))
+            if m.first_token_time is not None:
+                metrics._prefill.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+                metrics._decode.observe(max(0.0, last - m.first_token_time))
 
     def abandon(self) -> None:
         """The request ended without a finished output (client gone, drain timeout, error)."""

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request and response models.
+"""OpenAI-compatible request models (responses are in responses.py), and the errors they raise.
 
 Requests are strict and closed (extra="forbid"): every field we accept changes the result, and
 any other field is rejected with a 400 that names it, rather than silently ignored.
@@ -6,14 +6,37 @@ any other field is rejected with a 400 that names it, rather than silently ignor
 from __future__ import annotations
 
 import re
-import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError
 
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SamplingParams
 
-TokenIds = list[int]
+# Limits the server enforces, published in the OpenAPI document (/openapi.json) as part of each field's schema.
+MAX_N = 128  # choices per prompt (OpenAI's limit)
+MAX_LOGPROBS = 20  # alternatives per position (OpenAI's limit; SamplingParams enforces the same)
+MAX_STOP_STRINGS = 128  # each generated token is searched for every stop string
+MAX_STOP_LENGTH = 1024  # characters; a stream holds back up to this many characters that could start a stop string
+MAX_INT32 = 2**31 - 1
+INT64 = dict(ge=-(2**63), le=2**63 - 1)
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 2.0 as an integer, so the server does too (strict mode would refuse it); 2.5 stays refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _int(**limits: Any) -> Any:
+    """An integer field type with its limits (inside the validator, so the JSON schema shows them as min / max)."""
+    return Annotated[int, Field(**limits), BeforeValidator(_integral)]
+
+
+# and below the model's vocabulary size: the OpenAPI document states it once the model is loaded (openapi.py)
+TokenId = _int(ge=0, le=MAX_INT32, json_schema_extra={"x-token-id": True})
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
+Count = _int(ge=1, le=MAX_INT32)
 
 
 class APIError(Exception):
@@ -30,7 +53,8 @@ class APIError(Exception):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # NaN and the infinities are refused at parse time: no sampling parameter means anything with them
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -44,32 +68,94 @@ class JsonSchemaFormat(_Request):
     strict: bool | None = None  # our JSON grammars are always strict: declared properties only, in order
 
 
-class ResponseFormat(_Request):
-    """OpenAI's response_format: "text" (no constraint), "json_object" (any JSON object) or "json_schema"."""
+class ResponseFormatText(_Request):
+    """OpenAI's response_format "text": no constraint."""
 
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
+    type: Literal["text"]
 
     def so_args(self) -> dict[str, Any] | None:
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError(f"response_format.json_schema is required with type 'json_schema' and allowed only "
-                             f"there, got type {self.type!r} {'with' if self.json_schema else 'without'} it")
-        if self.type == "text":
-            return None
-        return {"schema_type": "json", "schema": self.json_schema.schema_ if self.json_schema else None}
+        return None
+
+
+class ResponseFormatJsonObject(_Request):
+    """Any JSON object."""
+
+    type: Literal["json_object"]
+
+    def so_args(self) -> dict[str, Any] | None:
+        return {"schema_type": "json", "schema": None}
+
+
+class ResponseFormatJsonSchema(_Request):
+    """JSON that follows json_schema.schema."""
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+    def so_args(self) -> dict[str, Any] | None:
+        return {"schema_type": "json", "schema": self.json_schema.schema_}
+
+
+def _response_format_kind(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"tag:{kind}" if kind in ("text", "json_object", "json_schema") else None
+
+
+# Tags are named "tag:..." so that error paths can drop them (see _looks_like_type).
+ResponseFormat = Annotated[
+    Annotated[ResponseFormatText, Tag("tag:text")] | Annotated[ResponseFormatJsonObject, Tag("tag:json_object")]
+    | Annotated[ResponseFormatJsonSchema, Tag("tag:json_schema")],
+    Discriminator(_response_format_kind, custom_error_type="invalid_response_format",
+                  custom_error_message="type must be one of 'text', 'json_object', 'json_schema'"),
+]
+
+
+class SoArgsText(_Request):
+    """deepinfer's so_args for a regex or an EBNF grammar (a grammar that does not compile is a 400)."""
+
+    schema_type: Literal["regex", "ebnf"]
+    schema_: NonEmptyStr = Field(alias="schema")
+
+    def so_args(self) -> dict[str, Any]:
+        return {"schema_type": self.schema_type, "schema": self.schema_}
+
+
+class SoArgsJson(_Request):
+    """deepinfer's so_args for JSON: a JSON schema (an object, or one as a string); none: any JSON object."""
+
+    schema_type: Literal["json"]
+    schema_: dict[str, Any] | str | None = Field(default=None, alias="schema")
+
+    def so_args(self) -> dict[str, Any]:
+        return {"schema_type": "json", "schema": self.schema_}
+
+
+def _so_args_kind(value: Any) -> str | None:
+    kind = value.get("schema_type") if isinstance(value, dict) else getattr(value, "schema_type", None)
+    return {"regex": "tag:text", "ebnf": "tag:text", "json": "tag:json"}.get(kind) if isinstance(kind, str) else None
+
+
+SoArgs = Annotated[
+    Annotated[SoArgsText, Tag("tag:text")] | Annotated[SoArgsJson, Tag("tag:json")],
+    Discriminator(_so_args_kind, custom_error_type="invalid_so_args",
+                  custom_error_message="schema_type must be one of 'regex', 'json', 'ebnf'"),
+]
 
 
 class StructuredOutputs(_Request):
-    """vLLM's structured_outputs: exactly one constraint; a choice is a regex of its escaped alternatives."""
+    """vLLM's structured_outputs: exactly one of regex, json, json_object (true), grammar (EBNF), choice; a choice is
+    a regex of its escaped alternatives. The fields are optional but never null, so that "exactly one" is the
+    schema's minProperties = maxProperties = 1."""
 
-    regex: str | None = None
-    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
-    json_object: bool | None = None
-    grammar: str | None = None  # EBNF
-    choice: list[str] | None = None
+    model_config = ConfigDict(json_schema_extra={"minProperties": 1, "maxProperties": 1})
+    regex: NonEmptyStr = Field(default=None, json_schema_extra={"format": "regex"})
+    json_: dict[str, Any] | str = Field(default=None, alias="json")
+    json_object: Literal[True] = Field(default=None)
+    grammar: NonEmptyStr = Field(default=None)  # EBNF
+    choice: Annotated[list[NonEmptyStr], Field(min_length=1)] = Field(default=None)
 
     def so_args(self) -> dict[str, Any]:
-        given = {"regex": self.regex, "json": self.json_, "json_object": self.json_object or None,
+        given = {"regex": self.regex, "json": self.json_, "json_object": self.json_object,
                  "grammar": self.grammar, "choice": self.choice}
         given = {name: value for name, value in given.items() if value is not None}
         if len(given) != 1:
@@ -89,34 +175,44 @@ class _SamplingRequest(_Request):
     """Fields shared by completions and chat; None means the OpenAI default."""
 
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE, description="0, or below 1e-5: greedy")
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: _int(ge=-1, le=MAX_INT32) | None = Field(default=None, description="0 or -1: disabled")
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    n: _int(ge=1, le=MAX_N) | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: _int(**INT64) | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, ge=REPETITION_PENALTY_RANGE[0],
+                                             le=REPETITION_PENALTY_RANGE[1])
+    # vLLM's extensions
+    ignore_eos: bool | None = None
+    min_tokens: _int(ge=0, le=MAX_INT32) | None = None
+    stop_token_ids: Annotated[list[_int(ge=0, le=MAX_INT32)], Field(max_length=MAX_STOP_STRINGS)] | None = None
     user: str | None = None  # recorded in the request log line
     cache_salt: str | None = None  # prefix-cache tenant: requests with another salt never share KV blocks
     kv_ttl_class: Literal["agent", "chatbot"] | None = None  # how long the KV store keeps this request's blocks
+    # prefill/decode disaggregation: a hand-off between a prefill and a decode engine (deepinfer/disagg/params.py)
+    kv_transfer_params: dict[str, Any] | None = Field(default=None, description="set by the router between a prefill "
+                                                      "and a decode engine")
     stream: bool | None = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(default=None, description="only with stream: true")
     # Structured output, at most one of: OpenAI's, deepinfer's ({"schema_type", "schema"}), vLLM's
     response_format: ResponseFormat | None = None
-    so_args: dict[str, Any] | None = None
+    so_args: SoArgs | None = Field(default=None, description="at most one of response_format, so_args and "
+                                                             "structured_outputs")
     structured_outputs: StructuredOutputs | None = None
 
     def structured_output(self) -> tuple[str, dict[str, Any]] | None:
         """(the request field that constrains the output, its so_args); None when nothing does."""
-        given = {"response_format": self.response_format and self.response_format.so_args(), "so_args": self.so_args,
-                 "structured_outputs": self.structured_outputs and self.structured_outputs.so_args()}
-        given = {name: so_args for name, so_args in given.items() if so_args is not None}
+        fields = {"response_format": self.response_format, "so_args": self.so_args,
+                  "structured_outputs": self.structured_outputs}
+        given = {name: value for name, value in fields.items() if value is not None}
         if len(given) > 1:
             raise ValueError(f"give at most one of response_format, so_args and structured_outputs, got {sorted(given)}")
-        return next(iter(given.items()), None)
+        constraints = {name: value.so_args() for name, value in given.items()}
+        return next(((name, so) for name, so in constraints.items() if so is not None), None)
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, **extra: Any) -> SamplingParams:
         """Raises ValueError naming the bad value (SamplingParams validates)."""
@@ -126,7 +222,8 @@ class _SamplingRequest(_Request):
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "n": self.n, "stop": self.stop, "seq_seed": self.seed, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
-            "cache_salt": self.cache_salt, "kv_ttl_class": self.kv_ttl_class,
+            "cache_salt": self.cache_salt, "kv_ttl_class": self.kv_ttl_class, "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids,
         }
         constraint = self.structured_output()
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, so_args=constraint and constraint[1],
@@ -137,10 +234,31 @@ class _SamplingRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+# Cross-field rules in JSON Schema (if / then), so that the published contract holds them too.
+_NEEDS_STREAM = {"if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+                 "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+_ONE_CONSTRAINT = {"not": {"anyOf": [
+    {"required": [a, b], "properties": {a: {"type": "object"}, b: {"type": "object"}}}
+    for a, b in (("response_format", "so_args"), ("response_format", "structured_outputs"),
+                 ("so_args", "structured_outputs"))]}}
+def _no_constraint_with_logprobs(logprobs: dict) -> dict:
+    return {"if": {"required": ["logprobs"], "properties": {"logprobs": logprobs}},
+            "then": {"properties": {f: {"type": "null"} for f in ("response_format", "so_args", "structured_outputs")}}}
+
+
+_NEEDS_LOGPROBS = {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+                   "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        _NEEDS_STREAM, _ONE_CONSTRAINT, _no_constraint_with_logprobs({"type": "integer"})]})
+    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds \
+        | Annotated[list[TokenIds], Field(min_length=1)] = Field(
+            description="text, a list of texts, token ids or a list of token-id lists; each prompt shorter than the "
+                        "model's context (max_model_len in /v1/models)")
+    max_tokens: Count | None = 16
+    logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
     echo: bool | None = False
 
     def prompts(self) -> list[str | TokenIds]:
@@ -164,7 +282,7 @@ class TextPart(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | Annotated[list[TextPart], Field(min_length=1)]
 
     def as_template_input(self) -> dict[str, str]:
         text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
@@ -172,11 +290,13 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        _NEEDS_STREAM, _ONE_CONSTRAINT, _NEEDS_LOGPROBS, _no_constraint_with_logprobs({"const": True})]})
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = Field(default=None, description="alias of max_tokens; if both, equal")
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = Field(default=None, description="needs logprobs: true")
 
     def sampling_params(self) -> SamplingParams:
         if self.max_tokens is not None and self.max_completion_tokens is not None \
@@ -191,11 +311,13 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class TokenizeRequest(_Request):
-    """vLLM's /tokenize: a prompt, or messages rendered with the chat template."""
+    """vLLM's /tokenize: a prompt, or messages rendered with the chat template (exactly one of them)."""
 
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    # optional but never null, so that the schema's oneOf states exactly what the route accepts
+    prompt: str = Field(default=None)
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] = Field(default=None)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -203,134 +325,7 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: TokenIds
-
-
-# ---- responses ---------------------------------------------------------------------------------
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class PromptTokensDetails(_Response):
-    cached_tokens: int = 0
-
-
-class Usage(_Response):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
-
-
-class CompletionLogprobs(_Response):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(_Response):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class Completion(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(_Response):
-    content: list[TokenLogprob] | None = None
-
-
-class AssistantMessage(_Response):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(_Response):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class ChatCompletion(_Response):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(_Response):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(_Response):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class ChatCompletionChunk(_Response):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class CompletionChunk(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(_Response):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "deepinfer"
-    max_model_len: int | None = None
-
-
-class ModelList(_Response):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
+    tokens: list[TokenId] = Field(description="each below the model's vocabulary size")
 
 
 def parse_request(model: type[_Request], raw: bytes) -> Any:
@@ -342,7 +337,12 @@ def parse_request(model: type[_Request], raw: bytes) -> Any:
 
 
 def _translate(error: ValidationError) -> APIError:
-    first = error.errors(include_url=False)[0]
+    errors = error.errors(include_url=False)
+    # A union field fails once per member; the most telling failure is a constraint (not a type mismatch) on the
+    # member that got furthest into the value, e.g. a negative token id rather than "not a string".
+    first = min(errors, key=lambda e: (e["type"].endswith("_type"), -len(e["loc"])))
+    if errors[0]["type"] == "json_invalid" or not errors[0]["loc"]:
+        first = errors[0]
     kind, loc = first["type"], first["loc"]
     if kind == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first['msg']}")
@@ -358,4 +358,5 @@ def _translate(error: ValidationError) -> APIError:
 
 
 def _looks_like_type(part: str) -> bool:
-    return "[" in part or part in ("str", "int", "float", "bool", "list", "StreamOptions", "TextPart") or part.startswith("function-")
+    return ("[" in part or part in ("str", "int", "float", "bool", "list", "StreamOptions", "TextPart")
+            or part.startswith(("function-", "constrained-", "tag:")))

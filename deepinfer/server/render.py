@@ -11,10 +11,10 @@ from typing import Any
 
 from deepinfer.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.protocol import (
-    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-    ChatDelta, ChatLogprobs, Completion, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
-    TokenLogprob, TopLogprob, Usage,
+from deepinfer.server.protocol import ChatCompletionRequest, CompletionRequest
+from deepinfer.server.responses import (
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatLogprobs,
+    Completion, CompletionChoice, CompletionChunk, CompletionLogprobs, TokenLogprob, TopLogprob, Usage,
 )
 
 

@@ -14,7 +14,8 @@ from fastapi import FastAPI
 
 from deepinfer.args import engine_config_from_args
 from deepinfer.engine.client import AsyncEngineClient
-from deepinfer.server.api import ServerSettings, build_app
+from deepinfer.server.api import DEFAULT_MAX_REQUEST_BYTES, ServerSettings, build_app
+from deepinfer.server.auth import Tenants
 
 logger = logging.getLogger("deepinfer.server")
 
@@ -23,11 +24,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize (tenant 'default')")
+    g.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="API keys, one 'TENANT KEY' line each ('#' comments); each tenant's prefix cache and KV store "
+                        "entries are its own. Keys are never logged")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients pass as 'model'; the first is reported; default: the --model value")
     g.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="answer 503 with Retry-After while this many sequences are waiting for the engine")
+                   help="answer 503 with Retry-After while this many sequences are waiting for the engine "
+                        "(default: the KV cache's block count, at least --max-num-seqs)")
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"answer 413 to a request body larger than this (default {DEFAULT_MAX_REQUEST_BYTES})")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let running requests finish before aborting them")
     g.add_argument("--uvicorn-log-level", default="warning")
@@ -43,7 +51,10 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     config = engine_config_from_args(args, max_waiting_requests=args.max_waiting_requests)
     names = tuple(args.served_model_name or [args.model or _default_model_name()])
-    settings = ServerSettings(served_model_names=names, api_key=args.api_key)
+    tenants = Tenants.load(args.api_key, args.api_key_file)
+    settings = ServerSettings(served_model_names=names, tenants=tenants, max_request_bytes=args.max_request_bytes)
+    if tenants.required:
+        logger.info("API keys required: %d key(s) for tenant(s) %s", len(tenants), tenants.names)
     client = AsyncEngineClient(lambda: Engine(config))
     app = build_app(client, settings)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
@@ -82,10 +93,11 @@ class DrainingServer(uvicorn.Server):
             self.exit_code = 1
             self.should_exit = True
             return
-        mc, cc = engine.config.model, engine.config.cache
-        logger.info("serving %s as %s: dtype %s, %d KV blocks x %d tokens, max_model_len %d, at %s/v1 (pid %d)",
-                    engine.model_path, list(self.app.state.settings.served_model_names), mc.dtype, engine.num_blocks,
-                    cc.block_size, engine.max_model_len, url, os.getpid())
+        cc = engine.config.cache
+        logger.info("serving %s as %s: compute %s, %d KV blocks x %d tokens, max_model_len %d, at most %d waiting "
+                    "sequences, at %s/v1 (pid %d)", engine.model_path, list(self.app.state.settings.served_model_names),
+                    engine.compute.name, engine.num_blocks, cc.block_size, engine.max_model_len,
+                    self.client.max_waiting_requests, url, os.getpid())
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs in the signal handler: hand over to the loop. Not recording the signal keeps uvicorn

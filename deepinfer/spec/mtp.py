@@ -7,9 +7,10 @@ state at position i) with the embedding of token t_{i+k}, and predicts t_{i+k+1}
   h_i^k = SharedHeadNorm(Block(h'_i))                                   vLLM, SGLang and transformers)
   logits = Head(h_i^k)                                                  (Emb and Head shared with the main model)
 
-The block is a full transformer layer with its own attention. For now it runs on one contiguous sequence
-against a scratch cache holding just the rows it is given, not the paged cache: a call sees no history
-beyond its own tokens, so callers pass the whole sequence (or the window they want attended).
+The block is a full transformer layer with its own attention, caching at its own index after the main model's
+layers (`cache_index`): in the engine it runs on the paged KV cache like any layer (worker/mtp.py), inside the
+caller's forward context; `run` instead gives it a scratch cache holding just the rows it is given (one contiguous
+sequence and no history beyond it: tests and offline use).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ class SharedHead(nn.Module):
 
 
 class MTPLayer(nn.Module):
-    """One prediction depth. `block(positions, x)` is a decoder layer whose attention caches at index 0."""
+    """One prediction depth. `block(positions, x)` is a decoder layer whose attention caches at `cache_index`."""
 
     def __init__(self, hidden_size: int, eps: float, block: nn.Module, cache_shape: tuple[int, int, int]) -> None:
         super().__init__()
@@ -43,6 +44,11 @@ class MTPLayer(nn.Module):
         self.shared_head = SharedHead(hidden_size, eps)
         self.cache_shape = cache_shape  # (kv heads, K dim, V dim) per token of the block's attention
 
+    @property
+    def cache_index(self) -> int:
+        attn = getattr(self.block.self_attn, "attn", self.block.self_attn)
+        return attn.cache_index
+
     def forward(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))
         return self.shared_head.norm(self.block(positions, x))
@@ -52,11 +58,17 @@ class MultiTokenPredictor(nn.Module):
     def __init__(self, layers: list[MTPLayer]) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.draft_vocab: torch.Tensor | None = None  # token ids drafts are chosen among (None: all)
+
+    def layer(self, depth: int) -> MTPLayer:
+        """Depth `depth` (0-based) reuses the layers cyclically: DeepSeek applies its MTP layers recursively when
+        more drafts are wanted than the checkpoint has layers."""
+        return self.layers[depth % len(self.layers)]
 
     def run(self, depth: int, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """Depth `depth` (0-based; reuses the layers cyclically) over one contiguous sequence of T rows -> h^k [T, H]."""
-        layer = self.layers[depth % len(self.layers)]
-        ctx = contiguous_context(positions, [layer.cache_shape], embeds.dtype)
+        """Depth `depth` over one contiguous sequence of T rows in a scratch cache -> h^k [T, H]."""
+        layer = self.layer(depth)
+        ctx = contiguous_context(positions, {layer.cache_index: layer.cache_shape}, embeds.dtype)
         with forward_context(ctx):
             return layer(positions, embeds, hidden)
 
@@ -86,12 +98,16 @@ class MultiTokenPredictor(nn.Module):
 
 
 def contiguous_context(
-    positions: torch.Tensor, cache_shapes: list[tuple[int, int, int]], dtype: torch.dtype
+    positions: torch.Tensor, cache_shapes: list[tuple[int, int, int]] | dict[int, tuple[int, int, int]],
+    dtype: torch.dtype
 ) -> ForwardContext:
     """A forward context for one sequence whose T rows are its whole context, cached in scratch buffers:
-    one (K [T, heads, K dim], V [T, heads, V dim]) pair per (heads, K dim, V dim) in `cache_shapes`."""
+    one (K [T, heads, K dim], V [T, heads, V dim]) pair per (heads, K dim, V dim) in `cache_shapes` (a list for
+    every cache index, or {cache index: shape} with empty caches at the other indices)."""
     t = positions.shape[0]
     device = positions.device
+    if isinstance(cache_shapes, dict):
+        cache_shapes = [cache_shapes.get(i, (0, 0, 0)) for i in range(max(cache_shapes) + 1)]
     caches = [
         (torch.zeros(t, h, k, dtype=dtype, device=device), torch.zeros(t, h, v, dtype=dtype, device=device))
         for h, k, v in cache_shapes

@@ -17,6 +17,10 @@ from deepinfer.core.plan import StepPlan, StepResult
 from deepinfer.layers.moe import MoEStep, moe_step
 from deepinfer.models.loader import ModelFiles, iter_weights
 from deepinfer.ops import cpu_attention, cpu_ops
+from deepinfer.spec.mtp_head import load_head
+from deepinfer.transforms.batch_invariant import make_batch_invariant
+from deepinfer.transforms.fused_ops import enable_fused_ops
+from deepinfer.transforms.quantize import finalize_quantized, prepare_quantized
 from deepinfer.worker.kv_transfer import KVBlockTransfer
 from deepinfer.worker.model_builder import TORCH_DTYPES, build_model
 from deepinfer.worker.runner import ModelRunner
@@ -47,6 +51,14 @@ class Executor(ABC):
         """Releases the workers; the executor is not used afterwards."""
 
 
+def _int8_before_load(ops):
+    """The quantization transform as load_head's hook: swaps before the weights load, packs after."""
+    def prepare(mtp):
+        summary = prepare_quantized(mtp, "int8", ops)
+        return lambda module: finalize_quantized(module, summary)
+    return prepare
+
+
 class InProcessExecutor(Executor):
     """One ModelRunner in the engine's own process and thread."""
 
@@ -66,7 +78,30 @@ class InProcessExecutor(Executor):
         self.model = build_model(files.hf_config, weights, compute.dtype, compute.device, max_model_len,
                                  batch_invariant=config.batch_invariant, quantization=compute.quantization,
                                  ops=ops, fused_glue=glue)
+        self.quantized = compute.quantization is not None
+        self._prepare_mtp(files, ops)
         self.runner: ModelRunner | None = None
+
+    def _prepare_mtp(self, files: ModelFiles, ops) -> None:
+        """With MTP drafts: the checkpoint's MTP layers or a trained head (spec.draft), transformed like the model;
+        otherwise no MTP layer is kept (it would hold KV for nothing)."""
+        spec, model = self.config.spec, self.model
+        if spec.speculative_method != "mtp":
+            if getattr(model, "mtp", None) is not None:
+                model.mtp = None
+            return
+        if spec.draft is not None:
+            # a quantized model drafts with an int8 head
+            prepare = _int8_before_load(ops) if self.quantized and ops is not None else None
+            meta = load_head(model, spec.draft, files.hf_config, prepare)
+            logger.info("MTP head from %s (trained for %s)", spec.draft, meta.base_model)
+        if getattr(model, "mtp", None) is None:
+            raise ValueError("speculative_method='mtp' needs MTP layers: this checkpoint has none; train a head with "
+                             "`deepinfer train-mtp` and pass draft=PATH (--speculative-draft)")
+        if self.config.batch_invariant:
+            make_batch_invariant(model.mtp)
+        if ops is not None and self.dtype == torch.float32 and self.config.fused_ops:
+            enable_fused_ops(model.mtp, ops, exact_only=self.config.batch_invariant)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return self.model.kv_cache_specs()
@@ -84,6 +119,7 @@ class InProcessExecutor(Executor):
         if kv_store is not None:
             self.runner.kv_transfer = KVBlockTransfer(kv_store.store, kv_store.saver, self.runner.slot_caches,
                                                       num_blocks, cc.block_size)
+            self.runner.async_loads = self.config.scheduler.async_kv_loads
 
     def execute(self, plan: StepPlan) -> StepResult:
         if self.runner is None:

@@ -17,9 +17,11 @@ from deepinfer.sample.logprobs import compute_prompt_logprobs
 from deepinfer.sample.sampler import Sampler, SamplingRow
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.worker.inputs import RequestRows, build_inputs
+from deepinfer.worker.mtp import mtp_drafts
 from deepinfer.worker.speculative import DraftState, draft_length, propose, record_acceptance, verify
 
 if TYPE_CHECKING:
+    from deepinfer.disagg.transfer import HandoffPuller
     from deepinfer.worker.kv_transfer import KVBlockTransfer
 
 
@@ -85,6 +87,8 @@ class ModelRunner:
         self.kv_caches = [self.slot_caches[slot] for _, slot in self._placement]  # per attention layer
         self.sampler = Sampler()
         self.kv_transfer: KVBlockTransfer | None = None  # set by the engine when a KV store is configured
+        self.async_loads = False  # with a KV store: load blocks in the background (core/kv_loading.py)
+        self.kv_puller: HandoffPuller | None = None  # disaggregation, decode role: pulls prompt KV from prefill engines
         self._requests: dict[str, _RequestState] = {}
 
     def _apply_diff(self, plan: StepPlan) -> None:
@@ -111,10 +115,16 @@ class ModelRunner:
         result = StepResult()
         if self.kv_transfer is not None and plan.kv_saves_first:  # finished requests' tails, before reuse
             self.kv_transfer.save(plan, first=True)
-        if self.kv_transfer is not None and plan.kv_loads:  # KV store: fill loaded blocks before the forward
+        if self.kv_transfer is not None and self.async_loads:  # KV store loads in the background
+            self.kv_transfer.start_loads(plan)
+            result.kv_loads_done = self.kv_transfer.poll(wait=0.0 if plan.num_tokens else 0.01)
+        elif self.kv_transfer is not None and plan.kv_loads:  # KV store: fill loaded blocks before the forward
             result.kv_load_failures = self.kv_transfer.load(plan)
             if result.kv_load_failures:  # a broken chain is recomputed from the next step on
                 plan = plan.without(result.kv_load_failures)
+        if self.kv_puller is not None and (plan.kv_pulls or self.kv_puller.loading):  # from prefill engines
+            self.kv_puller.start(plan.kv_pulls)
+            result.kv_loads_done.update(self.kv_puller.poll(wait=0.0 if plan.num_tokens else 0.01))
         if not plan.num_tokens:
             return result
         clock = time.perf_counter()
@@ -136,10 +146,13 @@ class ModelRunner:
                                 device=self.device)
             logits = self.model.compute_logits(hidden[rows])
             clock = _lap(result, "forward", clock)
-            self._sample(sampling, logits, plan.grammar_masks, result, len(inputs.input_ids))
-            _lap(result, "sample", clock)
+            self._sample(sampling, logits, plan.grammar_masks, result)
+            clock = _lap(result, "sample", clock)
         else:
-            _lap(result, "forward", clock)
+            clock = _lap(result, "forward", clock)
+        if self.spec is not None:
+            self._propose(inputs.requests, hidden, result, len(inputs.input_ids))
+            _lap(result, "propose", clock)
         if self.kv_transfer is not None:  # KV store: save the blocks this forward filled
             self.kv_transfer.save(plan)
         return result
@@ -155,9 +168,8 @@ class ModelRunner:
             result.prompt_logprobs[r.request_id] = compute_prompt_logprobs(logits, next_ids,
                                                                            state.params.prompt_logprobs)
 
-    def _sample(self, sampling: list[RequestRows], logits: torch.Tensor, masks: dict, result: StepResult,
-                batch_rows: int) -> None:
-        """Plain rows through the sampler in one call; requests with drafts through verification; then drafts."""
+    def _sample(self, sampling: list[RequestRows], logits: torch.Tensor, masks: dict, result: StepResult) -> None:
+        """Plain rows through the sampler in one call; requests with drafts through verification."""
         plain = [i for i, r in enumerate(sampling) if not r.drafts]
         offsets = np.cumsum([0] + [1 + len(r.drafts) for r in sampling])
         if plain:
@@ -178,13 +190,22 @@ class ModelRunner:
                                  state.sampling_row(None), r.drafts, request_masks or [])
             record_acceptance(state.drafting, len(r.drafts), len(tokens) - 1)
             self._emit(r.request_id, tokens, lps, result)
-        if self.spec is not None:
-            for r in sampling:
-                state = self._requests[r.request_id]
-                length = draft_length(self.spec, self.varlen, state.drafting, batch_rows)
-                drafts = propose(self.spec, np.asarray(state.token_ids, dtype=np.int64), length)
-                if drafts:
-                    result.draft_token_ids[r.request_id] = drafts
+
+    def _propose(self, requests: list[RequestRows], hidden: torch.Tensor, result: StepResult, batch_rows: int) -> None:
+        """The next step's drafts for every request that sampled (MTP also caches its KV for every computed row)."""
+        lengths = {r.request_id: draft_length(self.spec, self.varlen, self._requests[r.request_id].drafting, batch_rows)
+                   for r in requests if r.samples}
+        if self.spec.speculative_method == "mtp":
+            drafts = mtp_drafts(self.model, self.model.mtp, requests, hidden,
+                                {r.request_id: self._requests[r.request_id].token_ids for r in requests},
+                                result.sampled, lengths, {r.request_id: self._requests[r.request_id].block_ids
+                                                          for r in requests},
+                                self.kv_caches, self.layout, self.block_size, self.device,
+                                self.batch_invariant, self.cpu_kernels)
+        else:
+            drafts = {rid: propose(self.spec, np.asarray(self._requests[rid].token_ids, dtype=np.int64), n)
+                      for rid, n in lengths.items()}
+        result.draft_token_ids.update({rid: d for rid, d in drafts.items() if d})
 
     def _emit(self, request_id: str, tokens: list[int], logprobs: list, result: StepResult) -> None:
         self._requests[request_id].token_ids.extend(tokens)

@@ -117,13 +117,14 @@ def test_disk_faults_are_recomputed_and_counted(reference, restarted, monkeypatc
     data[-100] ^= 0xFF  # in the payload: only the checksum can tell
     flipped.write_bytes(bytes(data))
     truncated.write_bytes(truncated.read_bytes()[:1000])
-    load = restarted.engine.executor.runner.kv_transfer.load
+    start_loads = restarted.engine.executor.runner.kv_transfer.start_loads
 
     def delete_then_load(plan):  # deleted after the scheduler saw it, before the worker reads it
-        deleted.unlink()
-        return load(plan)
+        if plan.kv_loads and deleted.exists():
+            deleted.unlink()
+        return start_loads(plan)
 
-    monkeypatch.setattr(restarted.engine.executor.runner.kv_transfer, "load", delete_then_load)
+    monkeypatch.setattr(restarted.engine.executor.runner.kv_transfer, "start_loads", delete_then_load)
     before = restarted.engine.stats().kv_store
     restarted.engine.kv.pool.reset_cache()
     outs = generate(restarted)
@@ -157,13 +158,14 @@ def test_redis_tier_behind_an_unwritable_disk_and_redis_stopping_mid_run(referen
         warm = generate(llm)
         assert tokens(warm) == reference and all(o.num_cached_tokens > 0 for o in warm)
         assert tier(llm, "redis").hits > 0
-        load = llm.engine.executor.runner.kv_transfer.load
+        start_loads = llm.engine.executor.runner.kv_transfer.start_loads
 
-        def stop_redis_then_load(plan):
-            redis_server.stop()
-            return load(plan)
+        def stop_redis_then_load(plan):  # the lookups saw the blocks; the background loads find redis gone
+            if plan.kv_loads:
+                redis_server.stop()
+            return start_loads(plan)
 
-        monkeypatch.setattr(llm.engine.executor.runner.kv_transfer, "load", stop_redis_then_load)
+        monkeypatch.setattr(llm.engine.executor.runner.kv_transfer, "start_loads", stop_redis_then_load)
         llm.engine.kv.pool.reset_cache()
         assert tokens(generate(llm)) == reference
         assert llm.engine.stats().kv_store.failed_blocks > 0 and tier(llm, "redis").connection_errors > 0

@@ -111,3 +111,83 @@ def test_unknown_model_path_and_architecture(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="NopeForCausalLM"):
         LLM(str(tmp_path))
+
+
+# ---- vLLM drop-in: prompt dicts, raise_on_error, skip_tokenizer_init ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    from tests.reliability.tiny import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
+
+
+def test_text_and_tokens_prompt_dicts_as_vllm_takes_them(smol):
+    from deepinfer.llm import TextPrompt, TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=4)
+    ids = smol.get_tokenizer()("The capital of France is").input_ids
+    plain = smol.generate(["The capital of France is", ids], params, use_tqdm=False)
+    dicts = smol.generate([TextPrompt(prompt="The capital of France is"), TokensPrompt(prompt_token_ids=ids)], params,
+                          use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert dicts[1].prompt_token_ids == ids
+    single = smol.generate({"prompt_token_ids": ids}, params, use_tqdm=False)  # one dict is one prompt
+    assert len(single) == 1 and single[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
+    bad = smol.generate([{"prompt": "x", "multi_modal_data": {}}], params, use_tqdm=False)[0]
+    assert bad.outputs[0].finish_reason == "error" and "multi_modal_data" in bad.error
+
+
+def test_raise_on_error_raises_as_vllm_does_and_runs_nothing(tiny):
+    llm = LLM(tiny, kv_cache_memory=8 << 20, raise_on_error=True)
+    too_long = [5] * (llm.engine.max_model_len + 1)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(["fine", {"prompt_token_ids": too_long}, "also fine"], SamplingParams(max_tokens=2),
+                     use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()  # the prompts queued before the bad one were aborted
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[10**9]], use_tqdm=False)
+    out = llm.generate(["fine"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert out[0].error is None and len(out[0].outputs[0].token_ids) == 2
+
+
+def test_skip_tokenizer_init_serves_token_ids_only(tiny):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = [(i * 37) % 40000 + 100 for i in range(20)]
+    with_text = LLM(tiny, kv_cache_memory=8 << 20).generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    ids_only = LLM(tiny, kv_cache_memory=8 << 20, skip_tokenizer_init=True)
+    out = ids_only.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == with_text.token_ids and with_text.text and out.text == ""
+    refused = ids_only.generate(["text"], params, use_tqdm=False)[0]
+    assert "token ids" in refused.error
+    assert "stop strings" in ids_only.generate([prompt], params.replace(stop=["x"]), use_tqdm=False)[0].error
+    with pytest.raises(ValueError, match="chat"):
+        ids_only.chat([{"role": "user", "content": "hi"}])
+
+
+def test_extreme_but_valid_sampling_values_never_fail_a_step(tiny):
+    """Found by the API fuzzer: temperature 1e-300 (0 in float32) made the sampler return an id past the vocabulary,
+    which failed the whole step and every request in it. Below 1e-5 a temperature is greedy now, as in vLLM."""
+    llm = LLM(tiny, kv_cache_memory=8 << 20)
+    greedy = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    for temperature in (5e-324, 1e-300, 1e-6):
+        assert SamplingParams(temperature=temperature).greedy
+        out = llm.generate(["hello"], SamplingParams(temperature=temperature, max_tokens=4), use_tqdm=False)[0]
+        assert out.error is None and out.outputs[0].token_ids == greedy.token_ids
+    for params in (SamplingParams(temperature=1e6, max_tokens=4), SamplingParams(repetition_penalty=0.01),
+                   SamplingParams(repetition_penalty=100.0), SamplingParams(top_p=5e-324), SamplingParams(min_p=1.0)):
+        assert llm.generate(["hello hello"], params, use_tqdm=False)[0].error is None
+    for bad in (dict(repetition_penalty=1e-300), dict(repetition_penalty=1e300), dict(temperature=float("inf")),
+                dict(temperature=1.7e308)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
+def test_logprobs_with_a_grammar_are_refused(tiny):
+    """Found by the API fuzzer: tokens a grammar forces (jump-forward) carry no logprobs, so the logprobs came back
+    shorter than the tokens and were paired with the wrong positions."""
+    with pytest.raises(ValueError, match="logprobs=0 cannot be combined with so_args"):
+        SamplingParams(logprobs=0, so_args={"schema_type": "regex", "schema": "hello world"})
+    llm = LLM(tiny, kv_cache_memory=8 << 20)
+    out = llm.generate([[100, 200]], SamplingParams(logprobs=2, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids) and all(t in lp for t, lp in zip(out.token_ids, out.logprobs))

@@ -125,3 +125,20 @@ def test_options_are_checked():
         LLM(speculative_method="medusa")
     with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
         LLM(speculative_method="ngram", num_speculative_tokens=0)
+
+
+def test_spec_decode_counters_reach_prometheus_with_vllm_names():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from deepinfer.server.metrics import _EngineStatsCollector
+
+    llm = LLM(kv_cache_memory=64 << 20, speculative_method="ngram")
+    out = llm.generate([REPEAT], GREEDY, use_tqdm=False)[0]
+    assert out.metrics.num_accepted_tokens > 0 and out.metrics.num_draft_tokens >= out.metrics.num_accepted_tokens
+    registry = CollectorRegistry()
+    registry.register(_EngineStatsCollector(llm.engine.stats, "smol", lambda: 0))
+    text = generate_latest(registry).decode()
+    stats = llm.engine.stats().spec_decode
+    assert f'vllm:spec_decode_num_draft_tokens_total{{model_name="smol"}} {float(stats.num_draft_tokens)}' in text
+    assert f'vllm:spec_decode_num_accepted_tokens_total{{model_name="smol"}} {float(stats.num_accepted_tokens)}' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="smol",position="0"}' in text

@@ -4,13 +4,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from starlette.requests import Request
-
 from deepinfer.args import engine_config_from_args
 from deepinfer.cli import build_parser
 from deepinfer.config import EngineConfig
 from deepinfer.kvstore import KVStoreConfig
-from deepinfer.server.api import ServerSettings, _tenant_salted
+from deepinfer.server.auth import Tenants, salted
 from deepinfer.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 
 
@@ -62,17 +60,14 @@ def test_request_fields_reach_sampling_params() -> None:
         parse_request(CompletionRequest, json.dumps({"prompt": "hi", "kv_ttl_class": "forever"}).encode())
 
 
-def _http(authorization: str | None) -> Request:
-    headers = [] if authorization is None else [(b"authorization", authorization.encode())]
-    return Request({"type": "http", "method": "POST", "path": "/", "headers": headers})
-
-
-def test_each_api_key_is_a_cache_tenant() -> None:
+def test_each_tenant_is_a_cache_partition_and_its_keys_share_it() -> None:
+    """Two tenants, both with keys the server accepts; a tenant's two keys (rotation) share its partition."""
+    tenants = Tenants.from_keys([("acme", "key-acme-1"), ("acme", "key-acme-2"), ("globex", "key-globex")])
     params = CompletionRequest(prompt="hi", cache_salt="s").sampling_params()
-    keyed = ServerSettings(served_model_names=("m",), api_key="k1")
-    a = _tenant_salted(params, _http("Bearer k1"), keyed).cache_salt
-    b = _tenant_salted(params, _http("Bearer k2"), keyed).cache_salt
-    unsalted = _tenant_salted(params.replace(cache_salt=None), _http("Bearer k1"), keyed).cache_salt
-    assert len({a, b, unsalted, "s"}) == 4 and "k1" not in a
-    open_server = ServerSettings(served_model_names=("m",))
-    assert _tenant_salted(params, _http("Bearer k1"), open_server).cache_salt == "s"
+    acme, acme_rotated, globex = (tenants.tenant_of(f"Bearer {k}") for k in ("key-acme-1", "key-acme-2", "key-globex"))
+    assert (acme, acme_rotated, globex) == ("acme", "acme", "globex")
+    assert tenants.tenant_of("Bearer nope") is None and tenants.tenant_of("key-acme-1") is None
+    a, a2, g = (salted(params, t).cache_salt for t in (acme, acme_rotated, globex))
+    unsalted = salted(params.replace(cache_salt=None), acme).cache_salt
+    assert a == a2 and len({a, g, unsalted, "s"}) == 4 and "key" not in a + g
+    assert salted(params, None).cache_salt == "s"  # an open server leaves the request's own salt alone

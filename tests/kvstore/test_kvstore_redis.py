@@ -2,13 +2,12 @@ from __future__ import annotations
 
 import time
 
-import pytest
-from .kvstore_helpers import chain, key, payload
+import redis  # a dependency of deepinfer: never skipped
 
 from deepinfer.kvstore import KVStoreConfig
-
-redis = pytest.importorskip("redis", reason="the redis Python client is not installed (pip install redis)")
 from deepinfer.kvstore.redis_store import RedisStore
+
+from .kvstore_helpers import chain, key, payload
 
 
 def make(url: str, **kwargs: object) -> RedisStore:
@@ -99,3 +98,32 @@ def test_unreachable_server_at_start(redis_server) -> None:
     store.put(key(0), b"x")
     assert store.get(key(0)) == b"x"
     store.close()
+
+
+def test_a_hung_server_is_tried_ever_less_often_and_forgiven_once_it_answers(redis_server) -> None:
+    """Connections open, no answers: each try costs a socket timeout, so the quiet time doubles per failure in a row
+    (0.1, 0.2, 0.4, then the 0.4 cap here); one answer resets it."""
+    from tests.reliability.proxy import SlowProxy
+
+    proxy = SlowProxy(redis_server.port)
+    store = RedisStore(KVStoreConfig(kinds=("redis",), redis_url=proxy.url), socket_timeout=0.1, retry_after=0.1,
+                       max_retry_after=0.4)
+    try:
+        assert store.contains(chain(1)) == 0  # connects while the server still answers
+        proxy.stalled = True
+        blocked, started = 0, time.monotonic()
+        while time.monotonic() - started < 2.0:
+            before = time.monotonic()
+            store.contains(chain(1))
+            blocked += time.monotonic() - before > 0.05  # this call waited for a timeout
+            time.sleep(0.005)
+        # without the doubling: a try every 0.2 s (timeout + quiet), ten in two seconds
+        assert 3 <= blocked <= 6, blocked
+        proxy.stalled = False
+        time.sleep(0.45)
+        store.put(key(0), payload(0))
+        assert store.get(key(0)) == payload(0)
+        assert store._failures_in_a_row == 0
+    finally:
+        store.close()
+        proxy.close()

@@ -248,3 +248,22 @@ def test_tensor_beyond_the_mtp_layers_is_unexpected(mtp_pair):
     _, _, path = mtp_pair
     with pytest.raises(ValueError, match=re.escape("unexpected tensor 'model.layers.4.enorm.weight'")):
         _load(path, extra=("model.layers.4.enorm.weight", torch.ones(BASE["hidden_size"])))
+
+
+def test_mtp_speculation_keeps_greedy_tokens(mtp_pair, expected):
+    """The checkpoint's MTP layer drafts on the paged cache (one extra attention layer); verification keeps the
+    tokens of plain greedy decoding, alone and batched, with drafts deeper than its one layer (recursive use)."""
+    _, _, path = mtp_pair
+    tokens = [t for t, _ in expected]
+    llm = LLM(path, kv_cache_memory=4 << 20, num_threads=1, speculative_method="mtp", num_speculative_tokens=3,
+              enable_mtp_varlen=False)
+    assert len(llm.engine.executor.runner.model.kv_cache_specs()) == BASE["num_hidden_layers"] + 1
+    assert ours_greedy(llm, PROMPTS, STEPS) == tokens
+    assert ours_greedy(llm, PROMPTS[:1], STEPS) == tokens[:1]
+    stats = llm.engine.stats().spec_decode
+    assert stats.num_draft_tokens > 0 and stats.drafted_per_position[2] > 0
+
+
+def test_mtp_speculation_needs_mtp_layers(pair):
+    with pytest.raises(ValueError, match="needs MTP layers"):
+        LLM(pair[1], kv_cache_memory=4 << 20, num_threads=1, speculative_method="mtp")

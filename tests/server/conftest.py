@@ -41,6 +41,15 @@ class ServerProcess:
                 if not s.labels.get("finished_reason") and not s.name.endswith(("_bucket",))}
 
 
+def labelled_metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of a /metrics page, keyed by (name, sorted label items)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

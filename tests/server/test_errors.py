@@ -1,6 +1,9 @@
 """Every bad input gets its status code and an OpenAI-shaped error, and the server keeps serving."""
 from __future__ import annotations
 
+import json
+import time
+
 import httpx
 import pytest
 
@@ -34,7 +37,7 @@ CASES = [
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, None),
     ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "model"),
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "prompt"),
-    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
 ]
 
 
@@ -71,3 +74,147 @@ def test_still_serving_after_errors(http):
     response = http.post("/v1/completions", json=COMPLETION)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
     assert http.get("/health").status_code == 200
+
+
+# ---- the bad-input corpus: each input its precise 4xx, while a stream running beside them is served intact --------
+
+def _raw(body: str | bytes) -> bytes:
+    return body.encode() if isinstance(body, str) else body
+
+
+CORPUS = [
+    # (id, path, raw body, status, param named in the error, or None)
+    ("truncated JSON", "/v1/completions", '{"model": "test-model", "prompt": "x",', 400, None),
+    ("trailing garbage", "/v1/completions", '{"prompt": "x"} trailing', 400, None),
+    ("empty body", "/v1/completions", "", 400, None),
+    ("JSON null body", "/v1/chat/completions", "null", 400, None),
+    ("prompt is a number", "/v1/completions", '{"prompt": 5}', 400, "prompt"),
+    ("messages is a string", "/v1/chat/completions", '{"messages": "hi"}', 400, "messages"),
+    ("max_tokens as a string", "/v1/completions", '{"prompt": "x", "max_tokens": "10"}', 400, "max_tokens"),
+    ("stream as a string", "/v1/completions", '{"prompt": "x", "stream": "yes"}', 400, "stream"),
+    ("fractional n", "/v1/completions", '{"prompt": "x", "n": 1.5}', 400, "n"),
+    ("huge max_tokens", "/v1/completions", '{"prompt": "x", "max_tokens": 1000000000000000000000000000000}', 400,
+     "max_tokens"),
+    ("seed beyond int64", "/v1/completions", '{"prompt": "x", "seed": 18446744073709551616}', 400, "seed"),
+    ("huge top_k", "/v1/completions", '{"prompt": "x", "top_k": 100000000000000000000}', 400, "top_k"),
+    ("temperature overflows to inf", "/v1/completions", '{"prompt": "x", "temperature": 1e400}', 400, "temperature"),
+    ("negative max_tokens", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}',
+     400, "max_tokens"),
+    ("negative n", "/v1/completions", '{"prompt": "x", "n": -3}', 400, "n"),
+    ("negative logprobs", "/v1/completions", '{"prompt": "x", "logprobs": -1}', 400, "logprobs"),
+    ("negative presence_penalty", "/v1/completions", '{"prompt": "x", "presence_penalty": -3}', 400, "presence_penalty"),
+    ("negative token id", "/v1/completions", '{"prompt": [1, -5]}', 400, "prompt.1"),
+    ("NaN temperature", "/v1/completions", '{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("Infinity top_p", "/v1/completions", '{"prompt": "x", "top_p": Infinity}', 400, "top_p"),
+    ("-Infinity repetition_penalty", "/v1/completions", '{"prompt": "x", "repetition_penalty": -Infinity}', 400,
+     "repetition_penalty"),
+    ("NaN token id", "/detokenize", '{"tokens": [NaN]}', 400, "tokens.0"),
+    ("lone surrogate", "/v1/completions", '{"prompt": "a\\ud800b"}', 400, None),
+    ("invalid UTF-8", "/v1/completions", b'{"prompt": "\xff\xfe\xfd"}', 400, None),
+    ("overlong UTF-8", "/v1/completions", b'{"prompt": "\xc0\xaf"}', 400, None),
+    ("no messages", "/v1/chat/completions", '{"messages": []}', 400, "messages"),
+    ("content parts empty", "/v1/chat/completions", '{"messages": [{"role": "user", "content": []}]}', 400,
+     "messages.0.content"),
+    ("message without content", "/v1/chat/completions", '{"messages": [{"role": "user"}]}', 400, "messages.0.content"),
+    ("empty token list prompt", "/v1/completions", '{"prompt": [[]]}', 400, "prompt.0"),
+    ("n beyond 128", "/v1/completions", '{"prompt": "x", "n": 129}', 400, "n"),
+    ("chat n beyond 128", "/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "n": 129}', 400,
+     "n"),
+    ("logprobs beyond 20", "/v1/completions", '{"prompt": "x", "logprobs": 21}', 400, "logprobs"),
+    ("top_logprobs beyond 20", "/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}', 400, "top_logprobs"),
+    ("5000 stop strings", "/v1/completions", json.dumps({"prompt": "x", "stop": ["a"] * 5000}), 400, "stop"),
+    ("a 2000-character stop string", "/v1/completions", json.dumps({"prompt": "x", "stop": ["a" * 2000]}), 400,
+     "stop.0"),
+    ("2 prompts x n=100 beyond the waiting limit", "/v1/completions",
+     json.dumps({"prompt": ["x", "y"], "n": 100, "max_tokens": 1}), 400, "n"),
+    ("token id beyond the vocabulary", "/detokenize", '{"tokens": [49152]}', 400, "tokens"),
+    ("temperature beyond 1e6", "/v1/completions", '{"prompt": "x", "temperature": 1e308}', 400, "temperature"),
+    ("repetition_penalty below 0.01", "/v1/completions", '{"prompt": "x", "repetition_penalty": 1e-300}', 400,
+     "repetition_penalty"),
+    ("logprobs with a grammar", "/v1/chat/completions", json.dumps({
+        "messages": [{"role": "user", "content": "x"}], "logprobs": True, "structured_outputs": {"choice": ["a"]}}),
+     400, "logprobs"),
+]
+
+
+@pytest.fixture
+def max_model_len(http) -> int:
+    return http.get("/v1/models").json()["data"][0]["max_model_len"]
+
+
+def test_bad_input_corpus_each_a_precise_4xx_while_a_stream_beside_them_is_served_intact(http, server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
+    reference = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    results: list = []
+    with httpx.Client(base_url=server.url, headers=http.headers, timeout=180) as other:
+        with other.stream("POST", "/v1/completions", json={**body, "stream": True}) as beside:
+            lines = beside.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            for name, path, raw, status, param in CORPUS:
+                response = http.post(path, content=_raw(raw), headers={"content-type": "application/json"})
+                results.append((name, response, status, param))
+            rest = [first, *lines]
+    for name, response, status, param in results:
+        assert response.status_code == status, (name, response.text)
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], (name, error)
+        if param is not None:
+            assert error["param"] == param, (name, error)
+    events = [line[6:] for line in rest if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == reference
+
+
+def test_unicode_edge_cases_are_served(http):
+    for text in ("emoji 👩‍👩‍👧‍👦 and 🏳️‍🌈", "RTL שלום עולם and مرحبا", "zero\u200bwidth\u200djoiner", "e\u0301\u0301",
+                 "NUL \u0000 inside", "\ufeffBOM first", "ｆｕｌｌｗｉｄｔｈ", "\U0010ffff last plane"):
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 2})
+        assert response.status_code == 200, (text, response.text)
+        assert response.json()["usage"]["completion_tokens"] == 2
+    chat = {"model": MODEL, "messages": [{"role": "system", "content": ""}, {"role": "user", "content": ""}],
+            "max_tokens": 2}
+    assert http.post("/v1/chat/completions", json=chat).status_code == 200  # empty contents are valid
+
+
+def test_prompts_at_and_past_the_context(http, max_model_len):
+    def complete(length: int) -> httpx.Response:
+        return http.post("/v1/completions", json={"model": MODEL, "prompt": [198] * length, "max_tokens": 16})
+
+    fits = complete(max_model_len - 1)  # the prompt and exactly one generated token
+    assert fits.status_code == 200, fits.text
+    choice = fits.json()["choices"][0]
+    assert fits.json()["usage"]["completion_tokens"] == 1 and choice["finish_reason"] == "length"
+    for length in (max_model_len, max_model_len + 1):
+        refused = complete(length)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
+        assert str(max_model_len) in refused.json()["error"]["message"]
+
+
+def test_oversized_bodies_get_413_whether_declared_or_chunked(http):
+    big = json.dumps({"model": MODEL, "prompt": "x" * (17 << 20)}).encode()
+    declared = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert declared.status_code == 413 and declared.json()["error"]["code"] == "request_too_large", declared.text
+
+    def chunks():
+        for start in range(0, len(big), 1 << 20):
+            yield big[start : start + (1 << 20)]
+
+    chunked = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert chunked.status_code == 413 and "16777216" in chunked.json()["error"]["message"], chunked.text
+
+
+def test_wrong_method_is_405_with_allow(http):
+    response = http.get("/v1/completions")
+    assert response.status_code == 405 and response.headers["allow"] == "POST" and "error" in response.json()
+
+
+def test_nothing_left_running_after_the_corpus(server):
+    deadline = time.monotonic() + 30
+    while True:
+        samples = server.metrics()
+        idle = samples["vllm:num_requests_running"] == samples["vllm:num_requests_waiting"] == 0
+        if idle and samples["vllm:kv_cache_usage_perc"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle and samples["vllm:kv_cache_usage_perc"] == 0, samples

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from deepinfer.server.metrics import VLLM_DASHBOARD_METRICS
 from tests.server.conftest import API_KEY, MODEL
 
 pytestmark = pytest.mark.slow
@@ -24,7 +26,16 @@ def test_completion_text_usage_and_finish_reason(client, http):
     assert out.usage.prompt_tokens == len(prompt_ids)
     assert out.usage.completion_tokens == 5
     assert out.usage.total_tokens == len(prompt_ids) + 5
-    assert out.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_cached_tokens_report_the_prefix_cache_hit(client, http):
+    prompt = f"{uuid.uuid4().hex}: " + "The quick brown fox jumps over the lazy dog. " * 5  # unique, ~60 tokens
+    count = http.post("/tokenize", json={"prompt": prompt}).json()["count"]
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # every full 16-token block of the prompt, leaving at least its last token to compute
+    assert second.usage.prompt_tokens_details.cached_tokens == (count - 1) // 16 * 16 > 0
 
 
 def test_streamed_completion_matches_the_whole_one(client):
@@ -121,6 +132,23 @@ def test_metrics_are_prometheus_text_with_vllm_names(client, server):
     families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
     reasons = {s.labels["finished_reason"] for s in families["vllm:request_success"].samples}
     assert "length" in reasons
+
+
+def test_metrics_carry_every_name_vllms_grafana_dashboard_reads(client, server):
+    """vLLM's dashboard (examples/online_serving/prometheus_grafana/grafana.json) queries these; each must exist and,
+    after a finished request, hold an observation."""
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, n=2, seed=3)
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
+    for name in VLLM_DASHBOARD_METRICS:
+        if name.endswith("_total") or name.endswith("_perc") or name.startswith("vllm:num_requests"):
+            assert name in samples, name
+        else:  # a histogram: the dashboard reads _bucket, _sum and _count
+            assert {f"{name}_bucket", f"{name}_sum", f"{name}_count"} <= samples.keys(), name
+            assert sum(s.value for s in samples[f"{name}_count"]) >= 1, name
+    assert max(s.value for s in samples["vllm:request_params_n_sum"]) >= 2
 
 
 def test_sixteen_concurrent_streams_all_finish(server):

@@ -8,9 +8,39 @@
 #include <cstring>
 #include <vector>
 
+#include "vexp.h"
+
 namespace {
 
 constexpr int kLanes = 16;  // independent partial sums per row: vectorisable without reassociating
+
+// act(gate) * up with the exp of vexp.h, the same operations 16 at a time and one at a time (the same bits).
+// SiLU: g / (1 + exp(-g)); GELU (tanh form): 0.5 g (1 + tanh(c0 (g + c1 g^3))), tanh(y) = 1 - 2 / (exp(2y) + 1).
+constexpr float kGelu0 = 0.7978845608028654f, kGelu1 = 0.044715f;
+
+inline float silu1(float g, float u) { return g / (1.f + exp_approx(-g)) * u; }
+
+inline float gelu1(float g, float u) {
+  const float g3 = g * g * g;
+  const float y = kGelu0 * (g + kGelu1 * g3);
+  const float t = 1.f - 2.f / (exp_approx(2.f * y) + 1.f);
+  return 0.5f * g * (1.f + t) * u;
+}
+
+#if defined(__AVX512F__)
+inline __m512 silu16(__m512 g, __m512 u) {
+  const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
+}
+
+inline __m512 gelu16(__m512 g, __m512 u) {
+  const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+  const __m512 y = _mm512_mul_ps(_mm512_set1_ps(kGelu0), _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(kGelu1), g3)));
+  const __m512 e = exp_approx16(_mm512_mul_ps(_mm512_set1_ps(2.f), y));
+  const __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.f), _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(_mm512_set1_ps(1.f), t)), u);
+}
+#endif
 
 inline float sum_squares(const float* x, int64_t n) {
   float part[kLanes] = {0.f};
@@ -74,15 +104,14 @@ torch::Tensor act_and_mul(torch::Tensor x, int64_t act) {
       const float* g = xp + t * 2 * I;
       const float* u = g + I;
       float* o = op + t * I;
-      if (act == 0) {
-        for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-      } else {
-        const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-        for (int64_t i = 0; i < I; ++i) {
-          const float v = g[i];
-          o[i] = 0.5f * v * (1.f + std::tanh(k0 * (v + k1 * v * v * v))) * u[i];
-        }
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= I; i += 16) {
+        const __m512 v = _mm512_loadu_ps(g + i), w = _mm512_loadu_ps(u + i);
+        _mm512_storeu_ps(o + i, act == 0 ? silu16(v, w) : gelu16(v, w));
       }
+#endif
+      for (; i < I; ++i) o[i] = act == 0 ? silu1(g[i], u[i]) : gelu1(g[i], u[i]);
     }
   });
   return out;

@@ -1,0 +1,186 @@
+"""Speculative decoding side by side: speculation off, n-gram drafts and MTP drafts (a trained head) on SmolLM2, on a
+repetitive workload (rewrite a given text, code with repeated identifiers) and open-ended chat, at several batch
+sizes; llama.cpp's own n-gram speculation (llama-server --spec-type ngram-simple) where --llama-bin is given.
+
+Greedy, EOS ignored, the same token ids for every mode: speculation is lossless, so every mode generates the same
+tokens and only the time differs. Reports output tokens/s, speedup over off, acceptance per draft position.
+
+    python benchmarks/spec_decode.py                                  # batch 1, 8, 32; off / ngram / mtp
+    python benchmarks/spec_decode.py --llama-bin ~/llama.cpp/build/bin --batch-sizes 1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import default_output_path, machine_info, write_json  # noqa: E402
+
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He wound the clockwork, trimmed "
+           "the wick, and polished the great lens until it shone. Ships passing in the night counted the flashes: "
+           "three short, one long. In winter the storms came from the north and the waves broke over the rocks.")
+REPETITIVE = [
+    f"Rewrite the following text exactly, word for word:\n\n{PASSAGE}",
+    f"Repeat this paragraph twice:\n\n{PASSAGE}",
+    "Continue this code with a mul and a div function in the same style:\n\ndef add(first_value, second_value):\n"
+    "    result_value = first_value + second_value\n    return result_value\n\ndef sub(first_value, second_value):\n"
+    "    result_value = first_value - second_value\n    return result_value\n",
+    "Fix the typo and print the whole list again: apple, banana, cherry, date, elderbery, fig, grape, honeydew, "
+    "apple, banana, cherry, date, elderbery, fig, grape, honeydew",
+]
+CHAT = ["Why is the sky blue?", "Give me three tips for learning to cook.", "Write a short poem about autumn.",
+        "What should I pack for a weekend hiking trip?"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--modes", default="off,ngram,mtp")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    parser.add_argument("--draft", default=None, help="MTP head directory (default: the train-mtp cache dir)")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--llama-bin", default=None, help="llama.cpp binaries: adds llama-server off / ngram-simple")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.modes = [m.strip() for m in args.modes.split(",")]
+    return args
+
+
+def workloads(tokenizer) -> dict[str, list[list[int]]]:
+    def chat(text: str) -> list[int]:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
+        return list(tokenizer(rendered, add_special_tokens=False).input_ids)
+    return {"repetitive": [chat(t) for t in REPETITIVE], "chat": [chat(t) for t in CHAT]}
+
+
+def run_deepinfer(llm, prompts: list[list[int]], batch: int, max_tokens: int) -> dict[str, Any]:
+    from deepinfer import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    stats0 = llm.engine.stats().spec_decode
+    requests = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)) if batch > 1 else len(prompts))]
+    start = time.perf_counter()
+    tokens = []
+    if batch == 1:
+        for p in requests:
+            tokens += [list(o.outputs[0].token_ids) for o in llm.generate([p], params, use_tqdm=False)]
+    else:
+        tokens = [list(o.outputs[0].token_ids) for o in llm.generate(requests[:batch], params, use_tqdm=False)]
+    wall = time.perf_counter() - start
+    row = {"output_tokens": sum(map(len, tokens)), "wall_s": wall, "tok_s": sum(map(len, tokens)) / wall,
+           "tokens": tokens}
+    stats = llm.engine.stats().spec_decode
+    if stats is not None:
+        drafted = stats.num_draft_tokens - (stats0.num_draft_tokens if stats0 else 0)
+        accepted = stats.num_accepted_tokens - (stats0.num_accepted_tokens if stats0 else 0)
+        per_pos = [a - (stats0.accepted_per_position[i] if stats0 and i < len(stats0.accepted_per_position) else 0)
+                   for i, a in enumerate(stats.accepted_per_position)]
+        drafted_pos = [d - (stats0.drafted_per_position[i] if stats0 and i < len(stats0.drafted_per_position) else 0)
+                       for i, d in enumerate(stats.drafted_per_position)]
+        row.update(drafted=drafted, accepted=accepted, acceptance=accepted / drafted if drafted else None,
+                   acceptance_per_position=[a / d if d else None for a, d in zip(per_pos, drafted_pos)])
+    return row
+
+
+def run_llama_server(bin_dir: str, model: str, prompts: list[list[int]], max_tokens: int, threads: int,
+                     spec: str) -> dict[str, Any]:
+    """One request after another (batch 1) through llama-server; generation speed from its own timings."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [os.path.join(bin_dir, "llama-server"), "-m", model, "-t", str(threads), "--port", str(port), "-c", "4096",
+           "--host", "127.0.0.1", "-np", "1"] + ([] if spec == "none" else ["--spec-type", spec])
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        tokens, seconds = 0, 0.0
+        for p in prompts:
+            body = json.dumps({"prompt": p, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True,
+                               "cache_prompt": False}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
+            out = json.loads(urllib.request.urlopen(req, timeout=600).read())
+            tokens += out["timings"]["predicted_n"]
+            seconds += out["timings"]["predicted_ms"] / 1e3
+        return {"output_tokens": tokens, "wall_s": seconds, "tok_s": tokens / seconds}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    from deepinfer import LLM
+    from deepinfer.models.loader import resolve_model_path
+    from deepinfer.spec.mtp_head import default_head_dir
+
+    torch.set_num_threads(args.threads)
+    model_path = resolve_model_path(args.model)
+    draft = args.draft or default_head_dir(model_path)
+    options = {"off": {}, "ngram": {"speculative_method": "ngram", "num_speculative_tokens": args.k},
+               "mtp": {"speculative_method": "mtp", "num_speculative_tokens": args.k, "draft": draft}}
+    results: list[dict[str, Any]] = []
+    reference: dict[tuple[str, int], list] = {}
+    for mode in args.modes:
+        if mode == "mtp" and not os.path.isdir(draft):
+            print(f"mtp: skipped (no head at {draft}; run deepinfer train-mtp)")
+            continue
+        llm = LLM(args.model, num_threads=args.threads, max_num_seqs=max(args.batch_sizes), **options[mode])
+        loads = workloads(llm.get_tokenizer())
+        run_deepinfer(llm, loads["chat"][:1], 1, 8)  # warm-up
+        for name, prompts in loads.items():
+            for batch in args.batch_sizes:
+                row = run_deepinfer(llm, prompts, batch, args.max_tokens)
+                key = (name, batch)
+                tokens = row.pop("tokens")
+                if mode == "off":
+                    reference[key] = tokens
+                row.update(engine="deepinfer", mode=mode, workload=name, batch=batch,
+                           same_tokens_as_off=tokens == reference.get(key) if key in reference else None)
+                results.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "acceptance_per_position"}), flush=True)
+        del llm
+    if args.llama_bin:
+        loads = workloads(LLM(args.model, kv_cache_memory=16 << 20).get_tokenizer())
+        for spec in ("none", "ngram-simple"):
+            for name, prompts in loads.items():
+                row = run_llama_server(args.llama_bin, model_path, prompts, args.max_tokens, args.threads, spec)
+                row.update(engine="llama.cpp", mode=spec, workload=name, batch=1)
+                results.append(row)
+                print(json.dumps(row), flush=True)
+    base = {(r["engine"], r["workload"], r["batch"]): r["tok_s"] for r in results if r["mode"] in ("off", "none")}
+    print(f"\n{'engine':<10}{'mode':<14}{'workload':<12}{'batch':>6}{'tok/s':>9}{'speedup':>9}{'accept':>8}  per position")
+    for r in results:
+        speedup = r["tok_s"] / base[(r["engine"], r["workload"], r["batch"])] \
+            if (r["engine"], r["workload"], r["batch"]) in base else None
+        r["speedup"] = speedup
+        per = " ".join(f"{a:.2f}" for a in r.get("acceptance_per_position") or [] if a is not None)
+        print(f"{r['engine']:<10}{r['mode']:<14}{r['workload']:<12}{r['batch']:>6}{r['tok_s']:>9.1f}"
+              f"{(speedup or 0):>8.2f}x{(r.get('acceptance') or 0):>8.2f}  {per}")
+    out = args.out or default_output_path("spec_decode")
+    write_json({"benchmark": "spec_decode", "args": vars(args), "machine": machine_info(args.threads),
+                "results": results}, out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

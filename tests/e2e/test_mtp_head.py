@@ -1,0 +1,50 @@
+"""An MTP draft head for a model that has none: `deepinfer train-mtp` trains one by self-distillation, the engine
+drafts with it on the paged cache, and greedy output stays exactly that of plain decoding."""
+import json
+import os
+
+import pytest
+import transformers
+
+from deepinfer import SamplingParams
+from deepinfer.llm import LLM
+from deepinfer.spec.train_mtp import TrainConfig, train
+
+from ..models.hf_reference import save_tiny
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_with_head(tmp_path_factory):
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny(transformers.LlamaForCausalLM, config, path, seed=5)
+    head = train(str(path), str(tmp_path_factory.mktemp("head")),
+                 TrainConfig(num_prompts=24, gen_tokens=48, minutes=1.5, threads=1))
+    return str(path), head
+
+
+def test_train_mtp_writes_a_head_for_its_model(tiny_with_head):
+    _, head = tiny_with_head
+    meta = json.load(open(os.path.join(head, "mtp.json")))
+    assert meta["hidden_size"] == 64 and meta["vocab_size"] == 128 and meta["num_hidden_layers"] == 2
+    assert meta["train"]["steps"] > 0 and 0 <= meta["train"]["heldout_top1_agreement"] <= 1
+
+
+def test_drafting_with_the_head_keeps_greedy_tokens(tiny_with_head):
+    path, head = tiny_with_head
+    prompts = [[5, 17, 99, 3, 120, 11, 42], list(range(1, 40)), [7]]
+    plain = LLM(path, kv_cache_memory=8 << 20).generate(prompts, GREEDY, use_tqdm=False)
+    spec = LLM(path, kv_cache_memory=8 << 20, speculative_method="mtp", draft=head, enable_mtp_varlen=False)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, GREEDY, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in plain]
+    assert spec.engine.stats().spec_decode.num_draft_tokens > 0
+
+
+def test_a_head_for_another_model_is_refused(tiny_with_head):
+    _, head = tiny_with_head
+    with pytest.raises(ValueError, match="was trained for"):
+        LLM(kv_cache_memory=8 << 20, speculative_method="mtp", draft=head)

@@ -1,0 +1,32 @@
+"""The soak's short version in CI: benchmarks/soak.py (locust) holds 200 concurrent streams against the shared
+server for 25 seconds. Zero failed requests, every checked answer equal to the prompt's answer alone, resident
+memory after warm-up within the script's bound, and every KV block back in the pool at the end. The long run is
+the same script (`python benchmarks/soak.py --users 200 --duration 600`)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SOAK = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "soak.py")
+
+
+def test_200_concurrent_streams_for_25_seconds(tiny_server, tenant_keys, tmp_path):
+    out = tmp_path / "soak.json"
+    run = subprocess.run([sys.executable, SOAK, "--url", tiny_server.url, "--pid", str(tiny_server.process.pid),
+                          "--api-key", tenant_keys["acme"], "--users", "200", "--duration", "25", "--warmup", "8",
+                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    report = json.loads(out.read_text()) if out.exists() else {}
+    assert report, run.stdout[-4000:] + run.stderr[-4000:]
+    assert report["failures"] == 0 and report["wrong_answers"] == 0, report
+    assert report["answers_checked"] >= 200 and report["left_early"] > 0, report
+    assert report["memory"]["sampled"] and report["memory"]["ok"], report["memory"]
+    assert report["kv_blocks_returned"], report["idle_after"]
+    assert run.returncode == 0 and report["ok"], report
+    print(f"\nsoak: {report['requests']} requests from 200 streams in {report['seconds']} s, 0 failed, "
+          f"{report['answers_checked']} answers checked, memory {report['memory']}")
