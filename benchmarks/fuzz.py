@@ -8,7 +8,7 @@ that does not compile) are counted and shown, not failed; --strict fails on them
     python benchmarks/fuzz.py --max-time 600                 # starts a server on the tiny model, fuzzes 10 minutes
     python benchmarks/fuzz.py --url http://127.0.0.1:8000 --api-key KEY --seed 1 --max-examples 25
 
-The CI run (tests/server/test_fuzz.py) is the second form with a fixed seed.
+The CI run (tests/reliability/test_fuzz.py) is the second form with a fixed seed.
 """
 from __future__ import annotations
 

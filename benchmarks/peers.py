@@ -173,7 +173,7 @@ class VllmRunner(Runner):
             raise EngineUnavailable(f"{python} cannot import vllm: {last}")
         self.version = probe.stdout.strip()
         self.measure_decode = measure_decode
-        self.name = "vllm" if dtype == "float32" else f"vllm-{dtype}"
+        self.name = {"float32": "vllm", "bfloat16": "vllm-bf16"}.get(dtype, f"vllm-{dtype}")  # the --engines names
         self.mode = f"vLLM {self.version} {dtype}, offline LLM.generate in a subprocess, all requests at once"
         read_fd, write_fd = os.pipe()  # results travel on their own pipe: vLLM logs to stdout and stderr
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}"),

@@ -251,10 +251,10 @@ def plot_batches(rows: list[dict[str, Any]], path: str, title: str) -> str | Non
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for engine in dict.fromkeys(row["engine"] for row in rows):
+    for index, engine in enumerate(dict.fromkeys(row["engine"] for row in rows)):
         mine = sorted((row for row in rows if row["engine"] == engine), key=lambda row: row["concurrency"])
         xs = [row["concurrency"] for row in mine]
-        color = f"C{ENGINES.index(engine)}"  # one colour per engine across runs
+        color = f"C{index}"
         ax.plot(xs, [row["decode_tok_s"] for row in mine], marker="o", color=color, label=f"{engine} decode")
         ax.plot(xs, [row["output_tok_s"] for row in mine], linestyle="--", marker=".", color=color, alpha=0.6,
                 label=f"{engine} end to end")
@@ -311,6 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         "results": rows,
         "versus_best_peer": summary,
     }
+    write_json(payload, out)  # before the plot: a plotting failure never loses the measurements
     if args.batch_sizes and rows:
         title = (f"{os.path.basename(files.path)}, prompt {min(args.batch_prompt_len, args.max_prompt)}, "
                  f"output {args.max_output}, threads={args.threads}")
