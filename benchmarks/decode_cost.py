@@ -51,17 +51,29 @@ def main(argv=None) -> None:
     for length in contexts:
         for batch in batches:
             reqs = random_requests(batch, (length, length), (1, 1), token_ids, batch * 7919 + length)
-            params = SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True)
-            for i, r in enumerate(reqs):
-                engine.add_request(f"c{length}-{batch}-{i}", r.prompt_token_ids, params)
+            # long enough that the first prompts still decode when the last ones finish their chunked prefill
+            budget = engine.config.scheduler.max_num_batched_tokens
+            params = SamplingParams(temperature=0, max_tokens=args.steps + 2 + -(-batch * length // budget),
+                                    ignore_eos=True)
+            ids = [f"c{length}-{batch}-{i}" for i in range(batch)]
+            for rid, r in zip(ids, reqs):
+                engine.add_request(rid, r.prompt_token_ids, params)
             times = []
             while engine.has_unfinished_requests():
+                if len(times) >= args.steps:
+                    for rid in ids:
+                        engine.abort_request(rid)
+                    break
                 decoding = all(q.num_tokens - q.num_computed_tokens == 1 for q in engine.scheduler.running) \
                     and len(engine.scheduler.running) == batch
                 start = time.perf_counter()
                 engine.step()
                 if decoding:
                     times.append(time.perf_counter() - start)
+            if not times:  # the batch never decoded together: its KV does not fit the cache at once
+                print(f"batch {batch:>4} context {length:>6}: skipped (the whole batch never decoded at once; "
+                      f"its KV exceeds the cache)", flush=True)
+                continue
             step = statistics.median(times)
             points.append({"batch": batch, "context": length, "step_ms": 1e3 * step})
             print(f"batch {batch:>4} context {length:>6}: decode step {1e3 * step:8.2f} ms", flush=True)
