@@ -89,8 +89,8 @@ def transformers_decode(model, prompts: list[list[int]], steps: int) -> float:
         return time.perf_counter() - begin
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_shape_args(parser: argparse.ArgumentParser, decode_steps: int) -> None:
+    """The small DeepSeek-V3 shape (small_config) and the decode workload, shared with ep_decode.py."""
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
@@ -99,8 +99,13 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--decode-steps", type=int, default=decode_steps)
     parser.add_argument("--repeats", type=int, default=3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_shape_args(parser, decode_steps=32)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/deepseek_decode.json")

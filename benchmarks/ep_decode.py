@@ -26,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import RESULTS_DIR, machine_info, write_json  # noqa: E402
-from deepseek_decode import deepinfer_decode, prompts_for, save_model, small_config  # noqa: E402
+from deepseek_decode import add_shape_args, deepinfer_decode, prompts_for, save_model, small_config  # noqa: E402
 
 from deepinfer.distributed.eplb import Placement  # noqa: E402
 from deepinfer.layers.moe import FusedExperts  # noqa: E402
@@ -124,16 +124,7 @@ def decode(args: argparse.Namespace, path: str, ranks: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--decode-steps", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
+    add_shape_args(parser, decode_steps=16)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (per rank)")
     parser.add_argument("--expert-tokens", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--expert-repeats", type=int, default=20)

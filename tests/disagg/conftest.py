@@ -4,11 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +17,7 @@ from deepinfer.router.config import PoolConfig, RouterConfig
 from deepinfer.router.proxy import build_router_app
 from deepinfer.router.router import Router
 from tests.reliability.tiny import make_tiny_model
-from tests.server.conftest import ServerProcess, free_port, labelled_metrics
+from tests.server.conftest import ServerProcess, free_port, labelled_metrics, spawn_serve, terminate, wait_healthy
 
 # small and fast to start; batch invariance on, so seeded sampling gives the same bits on every deployment
 ENGINE_ARGS = ("--max-model-len", "1024", "--kv-cache-memory", "32MiB", "--max-num-batched-tokens", "512",
@@ -50,34 +45,13 @@ def replicas(model: str, *roles: tuple[str, ...]) -> Iterator[list[Replica]]:
     started: list[Replica] = []
     try:
         for extra in roles:
-            port = free_port()
-            log = tempfile.NamedTemporaryFile("w", prefix="deepinfer-pd-", suffix=".log", delete=False)
-            cmd = [sys.executable, "-m", "deepinfer.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                   "--model", model, *ENGINE_ARGS, *extra]
-            process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
-            started.append(Replica(f"http://127.0.0.1:{port}", process, log.name))
+            started.append(spawn_serve(["--model", model, *ENGINE_ARGS, *extra], "deepinfer-pd-", Replica))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for replica in started:
-            while True:
-                if replica.process.poll() is not None:
-                    pytest.fail(f"{replica.url} exited with {replica.process.returncode}:\n{replica.log()[-4000:]}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{replica.url}/health", timeout=5).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    pytest.fail(f"{replica.url} not healthy after {STARTUP_TIMEOUT_S}s:\n{replica.log()[-4000:]}")
-                time.sleep(0.2)
+            wait_healthy(replica, deadline)
         yield started
     finally:
-        for replica in started:
-            if replica.process.poll() is None:
-                replica.process.send_signal(signal.SIGTERM)
-        for replica in started:
-            try:
-                replica.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                replica.kill()
+        terminate([replica.process for replica in started], 30)
 
 
 class RouterThread:

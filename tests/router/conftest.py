@@ -4,11 +4,6 @@ which starts two pinned replicas and the router in front of them."""
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +12,7 @@ import httpx
 import pytest
 
 from tests.reliability.tiny import make_tiny_model
-from tests.server.conftest import ServerProcess, free_port, labelled_metrics
+from tests.server.conftest import ServerProcess, labelled_metrics, spawn_serve, terminate
 
 # a context long enough for multi-turn prompts, a small cache: start-up stays fast
 REPLICA_ARGS = ("--max-model-len", "1024", "--kv-cache-memory", "64MiB", "--max-num-batched-tokens", "512")
@@ -49,26 +44,13 @@ class Cluster(ServerProcess):
 
 @contextlib.contextmanager
 def running_cluster(*extra: str) -> Iterator[Cluster]:
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w", prefix="deepinfer-dp-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "deepinfer.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           *REPLICA_ARGS, *extra]
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                               start_new_session=True)
-    cluster = Cluster(f"http://127.0.0.1:{port}", process, log.name)
+    cluster = spawn_serve([*REPLICA_ARGS, *extra], "deepinfer-dp-", Cluster, start_new_session=True)
     try:
         cluster.wait_until(lambda: httpx.get(f"{cluster.url}/health", timeout=5).status_code == 200
                            and all(r["health"] == "ok" for r in cluster.replicas()), STARTUP_TIMEOUT_S, "serving")
         yield cluster
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        log.close()
+        terminate([cluster.process], 60, group=True)
 
 
 @pytest.fixture(scope="session")

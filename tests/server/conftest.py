@@ -9,8 +9,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -56,41 +57,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def running_server(*extra_args: str) -> Iterator[ServerProcess]:
+def spawn_serve(args: Sequence[str], log_prefix: str = "deepinfer-serve-", cls: type = ServerProcess,
+                **popen: Any) -> ServerProcess:
+    """Starts `deepinfer serve` on a free loopback port with these arguments, its output in a log file."""
     port = free_port()
-    log = tempfile.NamedTemporaryFile("w", prefix="deepinfer-serve-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "deepinfer.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", MODEL, *ENGINE_ARGS, *extra_args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(f"http://127.0.0.1:{port}", process, log.name)
-    try:
-        _wait_healthy(server)
-        yield server
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        log.close()
+    with tempfile.NamedTemporaryFile("w", prefix=log_prefix, suffix=".log", delete=False) as log:
+        cmd = [sys.executable, "-m", "deepinfer.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                   env=dict(os.environ, PYTHONUNBUFFERED="1"), **popen)
+    return cls(f"http://127.0.0.1:{port}", process, log.name)
 
 
-def _wait_healthy(server: ServerProcess) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
+def wait_healthy(server: ServerProcess, deadline: float) -> None:
+    """Until /health answers 200; fails with the log's tail if the process exits or the deadline passes."""
+    while True:
         if server.process.poll() is not None:
-            pytest.fail(f"server exited with {server.process.returncode} during start-up:\n{server.log()[-4000:]}")
-        try:
+            pytest.fail(f"{server.url} exited with {server.process.returncode} during start-up:\n{server.log()[-4000:]}")
+        with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
                 return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log()[-4000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{server.url} not healthy in time:\n{server.log()[-4000:]}")
+        time.sleep(0.2)
+
+
+def terminate(processes: Sequence[subprocess.Popen], timeout_s: float, group: bool = False) -> None:
+    """SIGTERM to every live process (each drains), then waits; whatever outlives timeout_s is killed (its whole
+    process group with `group`)."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL) if group else process.kill()
+            process.wait()
+
+
+@contextlib.contextmanager
+def running_server(*extra_args: str) -> Iterator[ServerProcess]:
+    server = spawn_serve(["--served-model-name", MODEL, *ENGINE_ARGS, *extra_args])
+    try:
+        wait_healthy(server, time.monotonic() + STARTUP_TIMEOUT_S)
+        yield server
+    finally:
+        terminate([server.process], 60)
 
 
 @pytest.fixture(scope="session")
