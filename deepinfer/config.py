@@ -100,6 +100,11 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # KV store lookups and loads in the background: the step never waits for the store (core/kv_loading.py)
     async_kv_loads: bool = True
+    # overlap scheduling: plan step N+1 and process step N's outputs while step N+1 computes (engine/overlap.py);
+    # steps that need step N's tokens to plan (grammar masks, drafts) and KV store / hand-off / expert-parallel
+    # engines run one step at a time. None: on where the model runs on CUDA, off on CPU, where the engine thread
+    # competes with the forward for the cores and the GIL (measured slower, doc/inference_deployment_qa.md).
+    async_scheduling: bool | None = None
     # sequences that may wait at once; the server answers 503 + Retry-After past it. None: derived from the KV
     # capacity (engine/client.default_max_waiting). The offline LLM never refuses work.
     max_waiting_requests: int | None = None

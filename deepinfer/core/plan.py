@@ -75,6 +75,7 @@ class StepPlan:
     kv_saves_first: dict[str, list[KVBlockRef]] = field(default_factory=dict)
     # disaggregation: prompt KV to pull from prefill engines in the background (reported in kv_loads_done)
     kv_pulls: dict[str, KVPull] = field(default_factory=dict)
+    step: int = 0  # the scheduler's count; a plan narrowed by without() keeps it
 
     @property
     def total_tokens(self) -> int:

@@ -49,6 +49,9 @@ class Request:
     num_accepted_tokens: int = 0
     hold_kv: bool = False  # disaggregation, prefill side: its blocks stay held after it finishes, for a pull
     remote_kv: RemoteKV | None = None  # disaggregation, decode side: where its prompt's KV comes from
+    # overlap scheduling: tokens a step in flight will sample that the scheduler does not know yet. The next step
+    # computes them all the same: the worker has them by the time it runs that step.
+    num_placeholders: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -57,6 +60,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Known tokens and placeholders: what the next step may compute up to."""
+        return self.num_tokens + self.num_placeholders
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -6,9 +6,10 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from deepinfer.config import SchedulerConfig
+from deepinfer.core.kv_arrivals import KVArrivals
 from deepinfer.core.kv_loading import AsyncKVLoads
-from deepinfer.core.kv_manager import LOAD, KVCacheManager, PrefixHit
-from deepinfer.core.plan import CachedRequestData, KVBlockRef, KVPull, NewRequestData, StepPlan, StepResult
+from deepinfer.core.kv_manager import KVCacheManager
+from deepinfer.core.plan import CachedRequestData, KVBlockRef, NewRequestData, StepPlan, StepResult
 from deepinfer.core.request import Request, RequestStatus
 from deepinfer.core.spec import SpecDecodeStats
 
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from deepinfer.kvstore.connector import KVStoreConnector
 
 
-class Scheduler:
+class Scheduler(KVArrivals):
     """No prefill or decode modes: a prompt chunk, a prefix-cache remainder and a decode token are all
     token counts under one budget. Running requests go first (oldest first); when blocks run out the
     newest running request is preempted and recomputed later, so the oldest always makes progress.
@@ -52,6 +53,10 @@ class Scheduler:
         self._tail_saves: dict[str, list[KVBlockRef]] = {}
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
+        # overlap scheduling: the last plan whose result is not applied yet, and the one applied ahead of its result
+        self._unapplied: StepPlan | None = None
+        self._applied_ahead: StepPlan | None = None
+        self._steps = itertools.count(1)
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -62,18 +67,6 @@ class Scheduler:
             stop = self._stop_reason(request, request.output_token_ids[-1])
             if stop is not None:
                 self.finish(request.request_id, *stop)
-
-    def take_arrivals(self) -> dict[str, bool]:
-        """Decode requests whose prompt KV from a prefill engine arrived since the last call: True if all of it did."""
-        if self.loads is None or not self.loads.arrivals:
-            return {}
-        arrivals, self.loads.arrivals = self.loads.arrivals, {}
-        return arrivals
-
-    def release_held(self, request_id: str) -> None:
-        request = self.held.pop(request_id, None)
-        if request is not None:
-            self.kv.free(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or (self.loads and (self.loads.loading or self.loads.orphans)))
@@ -111,13 +104,20 @@ class Scheduler:
         return request
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan(finished_ids=self._finished_ids, kv_saves_first=self._tail_saves)
+        """The next step's plan. Called while the previous plan still computes (overlap scheduling), it first counts
+        that plan's tokens as computed and each token it samples as a placeholder (`_apply_ahead`)."""
+        if self._unapplied is not None:
+            self._apply_ahead(self._unapplied)
+        plan = StepPlan(finished_ids=self._finished_ids, kv_saves_first=self._tail_saves, step=next(self._steps))
         self._finished_ids, self._tail_saves = [], {}
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_placeholders and self._ends_at_placeholders(request):
+                i += 1  # its step in flight samples its last token: another step would be thrown away
+                continue
+            n = min(request.num_planned_tokens - request.num_computed_tokens, budget)
             drafts = self._drafts_to_verify(request, n, budget)
             ahead = self._lookahead(request, n + len(drafts))
             while not self.kv.can_allocate(request, n + len(drafts) + ahead):
@@ -141,7 +141,28 @@ class Scheduler:
                 i += 1
         if not plan.preempted_ids:
             budget = self._admit_waiting(plan, budget)
+        self._unapplied = plan
         return plan
+
+    def _apply_ahead(self, plan: StepPlan) -> None:
+        """Overlap scheduling: counts a plan still computing as done, before its result; update() then only adds the
+        sampled tokens. A plan with drafts cannot be counted ahead (how many are accepted is unknown)."""
+        if plan.spec_token_ids:
+            raise RuntimeError("a step verifying drafts cannot overlap the next one's planning")
+        for request_id, n in plan.num_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += n
+            request.num_placeholders += request_id in plan.sample_ids
+        self._unapplied, self._applied_ahead = None, plan
+
+    def _ends_at_placeholders(self, request: Request) -> bool:
+        """True if the tokens in flight certainly end the request (max_tokens or max_model_len)."""
+        max_tokens = request.params.max_tokens
+        if max_tokens is not None and len(request.output_token_ids) + request.num_placeholders >= max_tokens:
+            return True
+        return request.num_planned_tokens >= self.max_model_len
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
         if self.loads is not None and self.connector is not None:  # start the lookups of the next ones, together
@@ -198,27 +219,6 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _admit_pull(self, plan: StepPlan, request: Request, hit: PrefixHit) -> bool:
-        """Admits a decode request whose prompt KV a prefill engine holds: it takes blocks for every position, and the
-        ones the device cache lacks (the partial last block included) are pulled while it waits. False: no room."""
-        n = request.num_tokens - hit.num_tokens  # the prompt's uncached tail and the first output token's position
-        if not self.kv.can_allocate(request, n, hit):
-            return False
-        block_ids = self.kv.allocate(request, n, hit)
-        self.waiting.popleft()
-        self.kv.count_lookup(request.num_tokens, hit)
-        remote = request.remote_kv
-        first = sum(b != LOAD for b in hit.blocks[0])  # device-cached blocks come first, pulled ones after
-        end = -(-remote.num_tokens // self.kv.block_size)
-        table = self.kv.block_ids(request.request_id)
-        plan.kv_pulls[request.request_id] = KVPull(remote.address, remote.handoff_id, list(range(first, end)),
-                                                   table[first:end])
-        request.num_computed_tokens = request.num_cached_tokens = remote.num_tokens
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.loads.start(request, end - first)
-        plan.new_requests.append(self._new_request_data(request, block_ids))
-        return True
-
     def _new_request_data(self, request: Request, block_ids: list[list[int]]) -> NewRequestData:
         return NewRequestData(request_id=request.request_id, token_ids=request.all_token_ids,
                               num_prompt_tokens=request.num_prompt_tokens, block_ids=block_ids,
@@ -244,7 +244,7 @@ class Scheduler:
     def _plan_tokens(self, plan: StepPlan, request: Request, n: int, num_drafts: int = 0) -> None:
         """n known tokens (and num_drafts drafts after them) computed this step; only known tokens are saved."""
         plan.num_tokens[request.request_id] = n + num_drafts
-        if request.num_computed_tokens + n == request.num_tokens:
+        if request.num_computed_tokens + n == request.num_planned_tokens:
             plan.sample_ids.append(request.request_id)
         self._plan_saves(plan, request, n)
 
@@ -258,6 +258,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         request.spec_token_ids = []
+        request.num_placeholders = 0
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -267,14 +268,32 @@ class Scheduler:
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Applies a step's result; returns the requests that advanced (finished ones included)."""
+        # overlap scheduling: its tokens may already count as computed
+        ahead = self._applied_ahead is not None and plan.step == self._applied_ahead.step
+        if ahead:
+            self._applied_ahead = None
+        elif self._unapplied is not None and plan.step == self._unapplied.step:
+            self._unapplied = None
         self._roll_back_failed_loads(plan, result)
         if self.loads is not None:
             self._loads_done(result.kv_loads_done)
         advanced = []
         for request_id, n in plan.num_tokens.items():
             request = self.requests.get(request_id)
+            if ahead and request is not None and request_id in plan.sample_ids:
+                request.num_placeholders = max(request.num_placeholders - 1, 0)
             if request is None or request.status is not RequestStatus.RUNNING:
+                if ahead and request is not None and request.status is RequestStatus.PREEMPTED:
+                    self._append_sampled(request, result.sampled.get(request_id, ()))  # preempted as it sampled
+                    advanced.append(request)
                 continue  # aborted or preempted while the step ran
+            if ahead:  # computed already counted; the placeholder becomes its token
+                stop = self._append_sampled(request, result.sampled.get(request_id, ()), finish=False)
+                self.kv.cache_computed(request)
+                if stop is not None:
+                    self.finish(request_id, *stop)
+                advanced.append(request)
+                continue
             if request_id in result.kv_load_failures:
                 continue  # left out of the forward; the rest is computed from the next step on
             sampled = result.sampled.get(request_id, ())
@@ -286,12 +305,7 @@ class Scheduler:
                 request.num_draft_tokens += drafted
                 request.num_accepted_tokens += accepted
             request.spec_token_ids = result.draft_token_ids.get(request_id, [])
-            stop = None
-            for token in sampled:
-                request.output_token_ids.append(token)
-                stop = self._stop_reason(request, token)
-                if stop is not None:
-                    break
+            stop = self._append_sampled(request, sampled, finish=False)
             # accepted drafts are computed; a stop inside them leaves the rest unknown
             request.num_computed_tokens = min(request.num_computed_tokens + n, request.num_tokens)
             self.kv.cache_computed(request)  # before a stop frees the blocks; rejected drafts lie beyond it
@@ -300,57 +314,16 @@ class Scheduler:
             advanced.append(request)
         return advanced
 
-    def _loads_done(self, done: dict[str, int]) -> None:
-        """Background loads the worker finished: a request runs from its first block that did not arrive."""
-        for request_id, num_ok in done.items():
-            orphan = self.loads.orphans.pop(request_id, None)
-            if orphan is not None:
-                self.kv.free(orphan)
-                continue
-            request = self.loads.loading.pop(request_id, None)
-            promised = self.loads.promised.pop(request_id, 0)
-            if request is None:
-                continue
-            self.loads.forget(request_id)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            remote, request.remote_kv = request.remote_kv, None  # a later preemption recomputes locally
-            if remote is not None:
-                self.loads.arrived(request_id, num_ok == promised)
-            if remote is not None and remote.path == "direct":
-                if num_ok < promised:  # the pulled blocks are the prompt's last `promised`; a broken one ends them
-                    end = -(-remote.num_tokens // self.kv.block_size)
-                    request.num_computed_tokens = min(remote.num_tokens, (end - promised + num_ok) * self.kv.block_size)
-                    if request.num_preemptions == 0:
-                        request.num_cached_tokens = request.num_computed_tokens
-            elif num_ok < promised:
-                self._roll_back(request, promised - num_ok)
-
-    def _roll_back_failed_loads(self, plan: StepPlan, result: StepResult) -> None:
-        """Loads inside the step (no background loads): a request whose chain broke sat this step out."""
-        for request_id, num_ok in result.kv_load_failures.items():
-            request = self.requests.get(request_id)
-            lost = len(plan.kv_loads.get(request_id, ())) - num_ok
-            if request is None or request.status is not RequestStatus.RUNNING:
-                if self.connector is not None:
-                    self.connector.count_failed(lost)
-                continue
-            self._roll_back(request, lost)
-
-    def _roll_back(self, request: Request, num_lost_blocks: int) -> None:
-        """A block the store promised but did not deliver, and every block after it, is recomputed. With layer
-        groups a lost block can break any window, so the request starts over without the store."""
-        if self.connector is not None:
-            self.connector.count_failed(num_lost_blocks)
-        if self.kv.layout.is_hybrid:
-            self.running.remove(request)
-            self._preempt(request)
-            request.use_kv_store, request.num_cached_tokens = False, 0
-            return
-        lost = num_lost_blocks * self.kv.block_size
-        request.num_computed_tokens -= lost
-        if request.num_preemptions == 0:
-            request.num_cached_tokens -= lost
+    def _append_sampled(self, request: Request, tokens, finish: bool = True) -> tuple[str, int | None] | None:
+        """Appends sampled tokens up to the first that stops the request; finishes it there unless finish=False."""
+        for token in tokens:
+            request.output_token_ids.append(token)
+            stop = self._stop_reason(request, token)
+            if stop is not None:
+                if finish:
+                    self.finish(request.request_id, *stop)
+                return stop
+        return None
 
     def append_tokens(self, request_id: str, tokens: list[int]) -> int:
         """Appends tokens decided without a model step (grammar jump-forward); they are computed in a

@@ -6,68 +6,33 @@ import logging
 import secrets
 import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 
 from deepinfer.config import EngineConfig, resolve_compute
-from deepinfer.core.kv_layout import KVLayout, layout_from_specs
-from deepinfer.core.block_pool import KeyEvents
-from deepinfer.core.kv_manager import KVCacheManager, ReplayStats
+from deepinfer.core.kv_layout import layout_from_specs
+from deepinfer.core.kv_manager import KVCacheManager
+from deepinfer.core.plan import StepPlan, StepResult
 from deepinfer.core.request import Request
 from deepinfer.core.scheduler import Scheduler
-from deepinfer.core.spec import SpecDecodeStats
-from deepinfer.engine.handoff import EngineHandoff, HandoffStats, KVTransferParams
+from deepinfer.engine.handoff import EngineHandoff, KVTransferParams
 from deepinfer.engine.io import RequestState, new_sequence, record_step_metrics
-from deepinfer.kvstore.connector import KVStoreConnector, KVStoreConnectorStats, model_identity
+from deepinfer.kvstore.connector import KVStoreConnector, model_identity
 from deepinfer.engine.structured import StructuredOutputs
+from deepinfer.engine.overlap import StepPipeline, overlap_blockers
+from deepinfer.engine.stats import EngineStats, ReplicaStatus
 from deepinfer.engine.sizing import default_kv_cache_memory, max_tokens_fitting, mix_seed
 from deepinfer.engine.timing import StepTimes
 from deepinfer.models.loader import load_model_files, load_tokenizer
 from deepinfer.outputs import RequestMetrics, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.models.registry import model_class
-from deepinfer.worker.ep_executor import EPExecutor, MoELoadStats, make_executor
+from deepinfer.worker.ep_executor import EPExecutor, make_executor
 from deepinfer.worker.executor import Executor
 from deepinfer.worker.model_builder import TORCH_DTYPES, architecture_of
 from deepinfer.worker.runner import kv_bytes_per_block
 
 logger = logging.getLogger("deepinfer")
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_blocks: int
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    kv_store: KVStoreConnectorStats | None = None  # None: no KV store configured
-    prefix_replay: ReplayStats | None = None  # sliding-window hybrids: hits shortened by dropped window KV
-    peak_kv_blocks: int = 0  # most blocks held by requests at once since start-up
-    moe_load: MoELoadStats | None = None  # expert parallelism only: moe_lb over the last moe_lb_window steps
-    spec_decode: SpecDecodeStats | None = None  # speculative decoding only: drafted and accepted tokens
-    handoff: HandoffStats | None = None  # prefill and decode roles only: KV hand-offs
-
-
-@dataclass(frozen=True)
-class ReplicaStatus:
-    """What a router needs of this engine (router/policy.py: ReplicaReport): its load now and its cached keys."""
-
-    queued_prefill_tokens: int  # prompt tokens waiting or admitted but not yet computed
-    queued_prefill_pairs: int  # their causal attention (query, key) pairs
-    running_requests: int  # sequences past their prefill
-    running_context_tokens: int  # tokens those attend over
-    waiting_requests: int
-    kv_usage: float
-    stats: EngineStats
-    keys: KeyEvents  # the first layer group's block keys, a diff or a snapshot
-    model_key: str  # the root of every key chain (core/prefix_cache.root_key), with block_size
-    block_size: int
 
 
 class Engine:
@@ -86,7 +51,10 @@ class Engine:
         native_len = int(files.hf_config.get("max_position_embeddings") or 2048)
         max_len = mc.max_model_len or native_len
         self.compute = resolve_compute(mc, files.fmt, torch.cuda.is_available())
-        self.executor: Executor = make_executor(config, files, max_len, self.compute)
+        blockers = overlap_blockers(config, self.compute.device)  # overlap scheduling: the model lives on the pipeline's compute thread
+        self._pipeline = None if blockers else StepPipeline(torch.get_num_threads())
+        on_compute_thread = self._pipeline.call if self._pipeline is not None else (lambda fn, *args: fn(*args))
+        self.executor: Executor = on_compute_thread(make_executor, config, files, max_len, self.compute)
         specs = self.executor.kv_cache_specs()
         layout = layout_from_specs(specs)
         per_block = kv_bytes_per_block(specs, cc.block_size, TORCH_DTYPES[self.compute.dtype], layout)
@@ -116,7 +84,7 @@ class Engine:
                                    draft_lookahead=spec.num_speculative_tokens - 1 if spec.speculative_method == "mtp"
                                    else 0, async_loads=config.scheduler.async_kv_loads,
                                    remote_kv=config.disagg.role == "decode")
-        self.executor.initialize_cache(num_blocks, layout, self.kv_store)
+        on_compute_thread(self.executor.initialize_cache, num_blocks, layout, self.kv_store)
         self.handoff = EngineHandoff(config.disagg, self.scheduler, self.kv, self.kv_store, self.executor, num_blocks,
                                      per_block, int(files.hf_config["vocab_size"]))  # prefill and decode roles
         if self.kv_store is not None:
@@ -132,6 +100,8 @@ class Engine:
         self._generation_tokens = 0
         self.step_times = StepTimes()  # cumulative; see engine/timing.py
         self._spec_counts: dict[str, dict[int, tuple[int, int]]] = {}  # request -> sequence -> (drafted, accepted)
+        logger.info("overlap scheduling: %s", "on (the next step is planned while one computes; steps with "
+                    "structured output run one at a time)" if not blockers else "off: " + "; ".join(blockers))
         logger.info(
             "loaded %s (%s, %s) in %.1fs; KV cache: %d blocks x %d tokens x %d layers (%.1f MiB); one sequence fits "
             "%d tokens; max_model_len %d",
@@ -243,6 +213,29 @@ class Engine:
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Runs one step and returns its outputs. With overlap scheduling the step after it is planned and submitted
+        first, so it computes while this one's outputs are made (engine/overlap.py)."""
+        pipeline = self._pipeline
+        if pipeline is None:
+            plan, failed = self._plan()
+            return self._finish(plan, self.executor.execute(plan), failed)
+        if not pipeline.in_flight:
+            pipeline.submit(self.executor.execute, *self._plan())
+        if self._can_overlap():
+            pipeline.submit(self.executor.execute, *self._plan())
+        done, result = pipeline.take()
+        return self._finish(done.plan, result, done.failed)
+
+    @property
+    def overlap_scheduling(self) -> bool:
+        """Whether steps are planned while the previous one computes (engine/overlap.py)."""
+        return self._pipeline is not None
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step can be planned before the one in flight returns its tokens."""
+        return not self.structured and not self._appended and not self.handoff.busy
+
+    def _plan(self) -> tuple[StepPlan, list[str]]:
         clock = time.perf_counter()
         self.handoff.before_step(idle=not self._states)
         plan = self.scheduler.schedule()
@@ -253,8 +246,11 @@ class Engine:
             if failed:  # those sequences end with an error; everyone else's step goes on
                 plan = plan.without(failed)
         plan.appended_token_ids, self._appended = self._appended, {}
-        clock = self._lap("schedule", clock)
-        result = self.executor.execute(plan)
+        self._lap("schedule", clock)
+        return plan, failed
+
+    def _finish(self, plan: StepPlan, result: StepResult, failed: list[str]) -> list[RequestOutput]:
+        """Applies a step's result: scheduler, grammars, outputs."""
         for phase, seconds in result.timings.items():
             self.step_times.add(phase, seconds)
         clock = time.perf_counter()
@@ -359,7 +355,12 @@ class Engine:
         if self.kv_store is not None:
             self._close_kv_store()
         self.handoff.close()
-        self.executor.shutdown()
+        if self._pipeline is not None:
+            self._pipeline.drop_all()
+            self._pipeline.call(self.executor.shutdown)
+            self._pipeline.close()
+        else:
+            self.executor.shutdown()
 
     def stats(self) -> EngineStats:
         return EngineStats(

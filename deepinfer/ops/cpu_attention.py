@@ -169,8 +169,10 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
-  m.def("paged_prefill", &paged_prefill, "paged attention of consecutive queries of one sequence (CPU)");
+  // the GIL is released while they compute: overlap scheduling runs the engine thread meanwhile
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::call_guard<py::gil_scoped_release>());
+  m.def("paged_prefill", &paged_prefill, "paged attention of consecutive queries of one sequence (CPU)",
+        py::call_guard<py::gil_scoped_release>());
 }
 """
 

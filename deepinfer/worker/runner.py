@@ -25,19 +25,50 @@ if TYPE_CHECKING:
     from deepinfer.worker.kv_transfer import KVBlockTransfer
 
 
+class Tokens:
+    """A request's prompt and generated tokens, kept apart: the sampler reads each without a per-step copy, a step's
+    inputs slice only the tokens it computes."""
+
+    __slots__ = ("prompt", "output")
+
+    def __init__(self, token_ids: list[int], num_prompt_tokens: int) -> None:
+        self.prompt, self.output = list(token_ids[:num_prompt_tokens]), list(token_ids[num_prompt_tokens:])
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, index: slice) -> list[int]:
+        start, stop, _ = index.indices(len(self))
+        n = len(self.prompt)
+        if stop <= n:
+            return self.prompt[start:stop]
+        if start >= n:
+            return self.output[start - n : stop - n]
+        return self.prompt[start:] + self.output[: stop - n]
+
+    def extend(self, tokens: list[int]) -> None:
+        self.output.extend(tokens)
+
+    def as_list(self) -> list[int]:
+        return self.prompt + self.output
+
+
 @dataclass
 class _RequestState:
-    token_ids: list[int]
-    num_prompt_tokens: int
+    token_ids: Tokens
     block_ids: list[list[int]]  # per layer group
     params: SamplingParams
     seed: int
     eos_token_ids: frozenset[int]
     drafting: DraftState = field(default_factory=DraftState)
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.token_ids.prompt)
+
     def sampling_row(self, mask: torch.Tensor | None) -> SamplingRow:
-        return SamplingRow(self.params, self.seed, len(self.token_ids) - self.num_prompt_tokens,
-                           self.token_ids[: self.num_prompt_tokens], self.token_ids[self.num_prompt_tokens :],
+        tokens = self.token_ids
+        return SamplingRow(self.params, self.seed, len(tokens.output), tokens.prompt, tokens.output,
                            self.eos_token_ids, mask)
 
 
@@ -98,7 +129,7 @@ class ModelRunner:
             self._requests.pop(request_id, None)
         for new in plan.new_requests:
             self._requests[new.request_id] = _RequestState(
-                list(new.token_ids), new.num_prompt_tokens, [list(t) for t in new.block_ids], new.params, new.seed,
+                Tokens(new.token_ids, new.num_prompt_tokens), [list(t) for t in new.block_ids], new.params, new.seed,
                 new.eos_token_ids,
             )
         for cached in plan.cached_requests:
@@ -203,7 +234,7 @@ class ModelRunner:
                                 self.kv_caches, self.layout, self.block_size, self.device,
                                 self.batch_invariant, self.cpu_kernels)
         else:
-            drafts = {rid: propose(self.spec, np.asarray(self._requests[rid].token_ids, dtype=np.int64), n)
+            drafts = {rid: propose(self.spec, np.asarray(self._requests[rid].token_ids.as_list(), dtype=np.int64), n)
                       for rid, n in lengths.items()}
         result.draft_token_ids.update({rid: d for rid, d in drafts.items() if d})
 

@@ -1,0 +1,92 @@
+"""Overlap (asynchronous) scheduling: the engine thread plans step N+1 and turns step N's result into outputs while a
+worker thread computes.
+
+One compute thread builds the executor and runs its steps in the order they were submitted, so a step always sees
+the state (KV cache, sampled tokens) of every step before it. It does all of the model's work from load on: OpenMP
+(libgomp) keeps a thread pool per thread that starts parallel work, and once a process has more pool threads than
+CPUs, every pool waits at its barriers by sleeping instead of spinning; on this 2-core machine a forward driven from a
+second thread ran 2.6x slower for that reason alone. The scheduler counts a step in flight as computed and each token it
+will sample as a placeholder (core/scheduler.py `_apply_ahead`); the worker fills a placeholder from the token it
+sampled itself, so a request's next step needs nothing from the engine thread. Outputs are the same tokens as one
+step at a time: the plans differ only in which rows share a step, and every row's result depends on that row alone.
+
+What cannot be planned before the previous step's tokens are known runs one step at a time: speculative decoding
+(how many drafts are accepted decides the next positions), structured output (the next grammar mask needs the last
+token), a KV store (a save names its block by the tokens in it), prefill/decode hand-offs and expert-parallel ranks
+(their executor is driven from the engine thread too).
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from deepinfer.config import EngineConfig
+from deepinfer.core.plan import StepPlan, StepResult
+
+T = TypeVar("T")
+
+
+@dataclass
+class InFlight:
+    plan: StepPlan
+    failed: list[str]  # constrained sequences dropped from the plan (their grammar allows no token)
+    future: Future
+
+
+def overlap_blockers(config: EngineConfig, device: str) -> list[str]:
+    """Why this engine does not overlap steps (empty: it does)."""
+    reasons = []
+    wanted = config.scheduler.async_scheduling
+    if wanted is False:
+        reasons.append("async_scheduling=False")
+    elif wanted is None and not device.startswith("cuda"):
+        reasons.append("the default on CPU, where the engine thread competes with the forward for the cores and the "
+                       "GIL (--async-scheduling turns it on)")
+    if config.spec.enabled:
+        reasons.append("speculative decoding (a step's drafts and positions depend on the previous step's result)")
+    if config.kv_store.kinds:
+        reasons.append("a KV store (a block is saved under the hash of its tokens)")
+    if config.disagg.role != "both":
+        reasons.append(f"role={config.disagg.role} (KV hand-offs are driven between steps)")
+    if config.parallel.expert_parallel_size > 1:
+        reasons.append("expert-parallel ranks (their executor is driven from the engine thread)")
+    return reasons
+
+
+class StepPipeline:
+    """Work on the compute thread: `call` waits for its answer, steps are submitted and taken in order."""
+
+    def __init__(self, num_threads: int) -> None:
+        # OpenMP's thread count is per calling thread: the compute thread sets its own
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-compute",
+                                        initializer=torch.set_num_threads, initargs=(num_threads,))
+        self.in_flight: deque[InFlight] = deque()
+
+    def call(self, fn: Callable[..., T], *args) -> T:
+        return self._pool.submit(fn, *args).result()
+
+    def submit(self, execute: Callable[[StepPlan], StepResult], plan: StepPlan, failed: list[str]) -> None:
+        self.in_flight.append(InFlight(plan, failed, self._pool.submit(execute, plan)))
+
+    def take(self) -> tuple[InFlight, StepResult]:
+        """The oldest step and its result (blocks until it is done; its exception is raised here). After an
+        exception the steps behind it are waited for and dropped: the caller aborts what was in flight."""
+        step = self.in_flight.popleft()
+        try:
+            return step, step.future.result()
+        except BaseException:
+            self.drop_all()
+            raise
+
+    def drop_all(self) -> None:
+        while self.in_flight:
+            self.in_flight.popleft().future.exception()  # waits; its error, if any, is the first one's echo
+
+    def close(self) -> None:
+        self.drop_all()
+        self._pool.shutdown(wait=True)
