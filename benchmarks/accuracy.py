@@ -1,6 +1,7 @@
 """Accuracy of each compute mode against the exact float32 path, measured, never assumed.
 
-For each mode (float32, the GGUF's own quantized blocks, int8, int4, bfloat16) on one model:
+For each mode (float32, the GGUF's own quantized blocks with a bfloat16 or float32 KV cache, int8, int4, bfloat16)
+on one model:
 - perplexity on a fixed text (benchmarks/data/perplexity_text.md, cut into windows of --window tokens, each
   scored from its own start);
 - teacher-forced agreement: on float32's greedy continuations of --num-prompts seeded prompts, the share of
@@ -26,7 +27,11 @@ from common import default_output_path, machine_info, ordinary_token_ids, random
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "perplexity_text.md")
 MODES = {
     "float32": {"dtype": "float32"},
-    "gguf": {"quantization": "gguf"},
+    "gguf": {"quantization": "gguf"},  # with its default bfloat16 KV cache
+    "gguf-kv-float32": {"quantization": "gguf", "kv_cache_dtype": "float32"},
+    # 64-token prompt chunks: every later chunk of the perplexity text reads its context from the KV cache
+    "gguf-chunked": {"quantization": "gguf", "max_num_batched_tokens": 64},
+    "gguf-kv-float32-chunked": {"quantization": "gguf", "kv_cache_dtype": "float32", "max_num_batched_tokens": 64},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
     "bfloat16": {"dtype": "bfloat16"},

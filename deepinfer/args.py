@@ -19,6 +19,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=_bytes, default=None, help="KV cache budget, e.g. 2GiB or 512MiB; default: a fifth of free RAM up to 4 GiB")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 under quantized compute (half the bytes attention reads), else the compute "
+                        "dtype")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=128)
@@ -89,6 +92,7 @@ def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

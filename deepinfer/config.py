@@ -1,6 +1,7 @@
 """Engine configuration: frozen dataclasses resolved once; DEEPINFER_* env vars are read only here."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
@@ -41,19 +42,36 @@ class ModelConfig:
 class Compute:
     """What the model computes in, resolved once the model file is known."""
 
-    dtype: str  # activations, KV cache and dense weights
+    dtype: str  # activations and dense weights
     quantization: str | None  # None: dense weights in dtype
     device: str = "cpu"
+    kv_dtype: str | None = None  # the KV cache; None: dtype
+
+    @property
+    def cache_dtype(self) -> str:
+        return self.kv_dtype or self.dtype
 
     @property
     def name(self) -> str:
         return self.dtype if self.quantization is None else f"{self.dtype}+{self.quantization}"
 
 
-def resolve_compute(mc: ModelConfig, file_format: str, cuda_available: bool = False) -> Compute:
+def resolve_compute(mc: ModelConfig, file_format: str, cuda_available: bool = False,
+                    kv_cache_dtype: str = "auto") -> Compute:
     """GGUF files compute on their quantized blocks unless a dtype or quantization="none" asks for dense weights
     (`dtype="float32"` is the exact path every transformers comparison uses); other files compute densely. The
-    quantized kernels are CPU code: on CUDA a GGUF model computes on its dequantized weights."""
+    quantized kernels are CPU code: on CUDA a GGUF model computes on its dequantized weights. The KV cache is kept
+    in bfloat16 under quantized compute (as llama.cpp keeps it in float16: half the bytes attention reads) and in
+    the compute dtype otherwise, unless kv_cache_dtype names one."""
+    compute = _resolve_weights(mc, file_format, cuda_available)
+    if kv_cache_dtype == "auto":
+        kv = "bfloat16" if compute.quantization is not None else None
+    else:
+        kv = None if kv_cache_dtype == compute.dtype else kv_cache_dtype
+    return dataclasses.replace(compute, kv_dtype=kv)
+
+
+def _resolve_weights(mc: ModelConfig, file_format: str, cuda_available: bool) -> Compute:
     device = ("cuda" if cuda_available else "cpu") if mc.device == "auto" else mc.device
     if device.startswith("cuda") and not cuda_available:
         raise ValueError(f"device={mc.device!r} but torch sees no CUDA device")
@@ -79,8 +97,12 @@ class CacheConfig:
     # (a hit may replay a bounded tail); "full" caches all of it. swa_keep_tokens None: derived from the window.
     swa_prefix_mode: str = "compact"
     swa_keep_tokens: int | None = None
+    # "auto": bfloat16 under quantized compute, else the compute dtype (config.resolve_compute); or float32 / bfloat16
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}")
         if self.swa_prefix_mode not in ("compact", "full"):
             raise ValueError(f"swa_prefix_mode (DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE) must be 'compact' or 'full', "
                              f"got {self.swa_prefix_mode!r}")

@@ -5,19 +5,29 @@ from deepinfer.config import Compute, ModelConfig, resolve_compute
 
 
 @pytest.mark.parametrize("options,fmt,cuda,want", [
-    ({}, "gguf", False, Compute("float32", "gguf", "cpu")),  # a GGUF computes on its blocks by default
+    ({}, "gguf", False, Compute("float32", "gguf", "cpu", "bfloat16")),  # on its blocks by default, bfloat16 KV
     ({"dtype": "float32"}, "gguf", False, Compute("float32", None, "cpu")),  # the exact dense path
     ({"dtype": "bfloat16"}, "gguf", False, Compute("bfloat16", None, "cpu")),
     ({"quantization": "none"}, "gguf", False, Compute("float32", None, "cpu")),
     ({}, "safetensors", False, Compute("float32", None, "cpu")),
-    ({"quantization": "int8"}, "safetensors", False, Compute("float32", "int8", "cpu")),
-    ({"quantization": "int4"}, "gguf", False, Compute("float32", "int4", "cpu")),
+    ({"quantization": "int8"}, "safetensors", False, Compute("float32", "int8", "cpu", "bfloat16")),
+    ({"quantization": "int4"}, "gguf", False, Compute("float32", "int4", "cpu", "bfloat16")),
     ({}, "gguf", True, Compute("float32", None, "cuda")),  # auto picks CUDA; the quantized kernels are CPU code
-    ({"device": "cpu"}, "gguf", True, Compute("float32", "gguf", "cpu")),
+    ({"device": "cpu"}, "gguf", True, Compute("float32", "gguf", "cpu", "bfloat16")),
     ({"device": "cuda:1", "dtype": "bfloat16"}, "safetensors", True, Compute("bfloat16", None, "cuda:1")),
 ])
 def test_resolution(options, fmt, cuda, want):
     assert resolve_compute(ModelConfig(**options), fmt, cuda) == want
+
+
+@pytest.mark.parametrize("options,kv,want", [
+    ({}, "float32", None),  # asked for: the compute dtype, so no separate KV dtype
+    ({"dtype": "float32"}, "bfloat16", "bfloat16"),
+    ({"dtype": "bfloat16"}, "auto", None),
+])
+def test_kv_cache_dtype(options, kv, want):
+    compute = resolve_compute(ModelConfig(**options), "gguf", False, kv)
+    assert compute.kv_dtype == want and compute.cache_dtype == (want or compute.dtype)
 
 
 @pytest.mark.parametrize("options,fmt,cuda,message", [

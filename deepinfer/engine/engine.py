@@ -50,14 +50,14 @@ class Engine:
         mc, cc = config.model, config.cache
         native_len = int(files.hf_config.get("max_position_embeddings") or 2048)
         max_len = mc.max_model_len or native_len
-        self.compute = resolve_compute(mc, files.fmt, torch.cuda.is_available())
+        self.compute = resolve_compute(mc, files.fmt, torch.cuda.is_available(), cc.kv_cache_dtype)
         blockers = overlap_blockers(config, self.compute.device)  # overlap scheduling: the model lives on the pipeline's compute thread
         self._pipeline = None if blockers else StepPipeline(torch.get_num_threads())
         on_compute_thread = self._pipeline.call if self._pipeline is not None else (lambda fn, *args: fn(*args))
         self.executor: Executor = on_compute_thread(make_executor, config, files, max_len, self.compute)
         specs = self.executor.kv_cache_specs()
         layout = layout_from_specs(specs)
-        per_block = kv_bytes_per_block(specs, cc.block_size, TORCH_DTYPES[self.compute.dtype], layout)
+        per_block = kv_bytes_per_block(specs, cc.block_size, TORCH_DTYPES[self.compute.cache_dtype], layout)
         budget = cc.kv_cache_memory or default_kv_cache_memory(self.compute.device)
         num_blocks = budget // per_block
         chunk = config.scheduler.max_num_batched_tokens
@@ -72,7 +72,8 @@ class Engine:
             max_len = capacity
         self.max_model_len = max_len
         self.num_blocks = num_blocks
-        model_key = model_identity(files.path, files.hf_config, self.compute.name, config.batch_invariant)
+        model_key = model_identity(files.path, files.hf_config, f"{self.compute.name}|kv:{self.compute.cache_dtype}",
+                                   config.batch_invariant)
         spec = config.spec
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, model_key, layout,
                                  cc.swa_prefix_mode, cc.swa_keep_tokens,
@@ -103,10 +104,11 @@ class Engine:
         logger.info("overlap scheduling: %s", "on (the next step is planned while one computes; steps with "
                     "structured output run one at a time)" if not blockers else "off: " + "; ".join(blockers))
         logger.info(
-            "loaded %s (%s, %s) in %.1fs; KV cache: %d blocks x %d tokens x %d layers (%.1f MiB); one sequence fits "
-            "%d tokens; max_model_len %d",
+            "loaded %s (%s, %s) in %.1fs; KV cache (%s): %d blocks x %d tokens x %d layers (%.1f MiB); one sequence "
+            "fits %d tokens; max_model_len %d",
             files.path, files.hf_config["architectures"][0], self.compute.name, time.perf_counter() - started,
-            num_blocks, cc.block_size, layout.layers_per_group, num_blocks * per_block / 2**20, capacity, max_len,
+            self.compute.cache_dtype, num_blocks, cc.block_size, layout.layers_per_group, num_blocks * per_block / 2**20,
+            capacity, max_len,
         )
         if layout.is_hybrid:
             swa = [g for g in layout.groups if g.sliding_window is not None]

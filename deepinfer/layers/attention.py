@@ -42,13 +42,14 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         md = ctx.attn_for(self.cache_index)
         k_cache, v_cache = ctx.kv_caches[self.cache_index]
-        if self.ops is not None and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype:
+        if self.ops is not None and v_cache.dtype == k_cache.dtype and k.dtype == v.dtype \
+                and (k.dtype == k_cache.dtype or (k.dtype == torch.float32 and k_cache.dtype == torch.bfloat16)):
             self.ops.cache_write(k, v, k_cache, v_cache, md.slot_mapping)
         else:
             k_cache.index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
             v_cache.index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
         kernels = ctx.cpu_kernels if self.head_dim == self.v_head_dim in (64, 128, 256) \
-            and q.dtype == k_cache.dtype == torch.float32 else None
+            and q.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.bfloat16) else None
         if ctx.batch_invariant:
             return self._batch_invariant(q, k_cache, v_cache, md, kernels).reshape(q.shape[0], -1)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
@@ -103,15 +104,16 @@ class Attention(nn.Module):
                 block_tables, context_lens = block_tables[:, skip:], context_lens - skip * block_size
         n, max_blocks = block_tables.shape
         length = max_blocks * block_size
-        keys = _gather_blocks(k_cache, block_tables, block_size).view(n, length, self.num_kv_heads, -1)
-        values = _gather_blocks(v_cache, block_tables, block_size).view(n, length, self.num_kv_heads, -1)
+        # a cache narrower than the queries (bfloat16 under float32 compute) is widened after the gather
+        keys = _gather_blocks(k_cache, block_tables, block_size).view(n, length, self.num_kv_heads, -1).to(q.dtype)
+        values = _gather_blocks(v_cache, block_tables, block_size).view(n, length, self.num_kv_heads, -1).to(q.dtype)
         pos = torch.arange(length, device=q.device)
         visible = pos[None, :] < context_lens[:, None]
         if self.sliding_window is not None:
             visible &= pos[None, :] > (context_lens[:, None] - 1 - self.sliding_window)
         mask = visible[:, None, None, :]
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2).to(keys.dtype), keys.transpose(1, 2), values.transpose(1, 2),
+            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
         )
         return out.squeeze(2)
@@ -125,9 +127,9 @@ class Attention(nn.Module):
         if self.sliding_window is not None:
             visible &= k_pos > q_pos - self.sliding_window
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0).to(keys.dtype),
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
+            q.transpose(0, 1).unsqueeze(0),
+            keys.to(q.dtype).transpose(0, 1).unsqueeze(0),
+            values.to(q.dtype).transpose(0, 1).unsqueeze(0),
             attn_mask=visible, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads,
         )
         return out.squeeze(0).transpose(0, 1)

@@ -6,7 +6,8 @@ value once: per (query, KV head) it scores the G query heads that share the KV h
 keys, rescales a running max / sum / weighted value sum (online softmax, one rescale per segment), and writes
 acc / sum; sliding windows start at max(0, len - W). `paged_prefill` runs the same per-query computation for each
 token of a prefill chunk (one compiled copy of the segment step, no FMA contraction), so a token gets the same bits
-from either path: the batch-invariant mode's attention. float32 only. Built once per machine with torch's
+from either path: the batch-invariant mode's attention. Queries in float32; the cache in float32 or bfloat16 (each
+value widened to float32 as it is read, so a bfloat16 cache moves half the bytes). Built once per machine with torch's
 cpp_extension (g++, ninja) into torch's extension cache; if that fails the engine logs why and keeps the torch path.
 """
 from __future__ import annotations
@@ -27,18 +28,31 @@ _SOURCE = r"""
 
 #include "vexp.h"
 
+// One cached row of DIM values as float32: a float32 row is read in place; a bfloat16 row (the top half of each
+// float32's bits) is widened into `buffer`.
+template <int DIM>
+static inline const float* as_float(const float* row, float*) { return row; }
+template <int DIM>
+static inline const float* as_float(const uint16_t* row, float* __restrict__ buffer) {
+  uint32_t* __restrict__ bits = reinterpret_cast<uint32_t*>(buffer);
+#pragma omp simd
+  for (int d = 0; d < DIM; ++d) bits[d] = static_cast<uint32_t>(row[d]) << 16;
+  return buffer;
+}
+
 // One segment (count <= block_size consecutive keys of one block) for the G query heads of one (query, KV head):
 // the online-softmax update. noinline: decode and prefill run this very machine code in the same order of segments,
 // so a token's result does not depend on which path computed it (batch-invariant mode relies on it).
-template <int DIM, int GROUP>  // GROUP 0: the group size is only known at run time (`group`)
-__attribute__((noinline)) static void block_step(const float* __restrict__ qh, const float* __restrict__ kb,
-                                                 const float* __restrict__ vb, int64_t count, int64_t stride,
+template <int DIM, int GROUP, typename KV>  // GROUP 0: the group size is only known at run time (`group`)
+__attribute__((noinline)) static void block_step(const float* __restrict__ qh, const KV* __restrict__ kb,
+                                                 const KV* __restrict__ vb, int64_t count, int64_t stride,
                                                  int64_t group, int64_t block_size, float scale,
                                                  float* __restrict__ scores, float* __restrict__ acc,
                                                  float* __restrict__ row_max, float* __restrict__ row_sum) {
   const int64_t G = GROUP > 0 ? GROUP : group;
+  alignas(64) float wide[DIM];  // a bfloat16 row widened once, then read by all G query heads
   for (int64_t i = 0; i < count; ++i) {  // each key read once, scored for the G query heads sharing it
-    const float* __restrict__ k = kb + i * stride;
+    const float* __restrict__ k = as_float<DIM>(kb + i * stride, wide);
     for (int64_t g = 0; g < G; ++g) {
       const float* __restrict__ qg = qh + g * DIM;
       float dot = 0.f;
@@ -63,7 +77,7 @@ __attribute__((noinline)) static void block_step(const float* __restrict__ qh, c
     for (int d = 0; d < DIM; ++d) a[d] *= rescale;
   }
   for (int64_t i = 0; i < count; ++i) {  // each value read once
-    const float* __restrict__ v = vb + i * stride;
+    const float* __restrict__ v = as_float<DIM>(vb + i * stride, wide);
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * block_size + i];
       float* __restrict__ a = acc + g * DIM;
@@ -75,8 +89,8 @@ __attribute__((noinline)) static void block_step(const float* __restrict__ qh, c
 
 
 // One (query, KV head) item: G query heads against the keys first..len-1 of one sequence, segment by segment.
-template <int DIM>
-static void attend(const float* __restrict__ qh, const float* __restrict__ kp, const float* __restrict__ vp,
+template <int DIM, typename KV>
+static void attend(const float* __restrict__ qh, const KV* __restrict__ kp, const KV* __restrict__ vp,
                    const int64_t* __restrict__ table, int64_t first, int64_t len, int64_t block_size,
                    int64_t kv_heads, int64_t h, int64_t group, float scale, float* __restrict__ out,
                    float* __restrict__ scores, float* __restrict__ acc, float* __restrict__ row_max,
@@ -87,16 +101,16 @@ static void attend(const float* __restrict__ qh, const float* __restrict__ kp, c
   for (int64_t start = first; start < len;) {
     const int64_t block = start / block_size, stop = std::min(len, (block + 1) * block_size);
     const int64_t row0 = (table[block] * block_size + start - block * block_size) * kv_heads + h;
-    const float* kb = kp + row0 * DIM;
-    const float* vb = vp + row0 * DIM;
+    const KV* kb = kp + row0 * DIM;
+    const KV* vb = vp + row0 * DIM;
     const int64_t n = stop - start;
     switch (group) {  // the group as a constant: its loops unroll and the accumulators stay in registers
-      case 1: block_step<DIM, 1>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
-      case 2: block_step<DIM, 2>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
-      case 3: block_step<DIM, 3>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
-      case 4: block_step<DIM, 4>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
-      case 8: block_step<DIM, 8>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
-      default: block_step<DIM, 0>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum);
+      case 1: block_step<DIM, 1, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
+      case 2: block_step<DIM, 2, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
+      case 3: block_step<DIM, 3, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
+      case 4: block_step<DIM, 4, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
+      case 8: block_step<DIM, 8, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
+      default: block_step<DIM, 0, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum);
     }
     start = stop;
   }
@@ -105,14 +119,13 @@ static void attend(const float* __restrict__ qh, const float* __restrict__ kp, c
 }
 
 // Runs attend over rows: row r is a query at position lens[r] - 1 with block table tables[r * width ...].
-static void run_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, const int64_t* tp,
-                     int64_t width, const int64_t* lp, int64_t block_size, double scale, int64_t window,
-                     torch::Tensor out) {
+template <typename KV>
+static void run_rows_of(torch::Tensor q, const KV* kp, const KV* vp, int64_t kv_heads, const int64_t* tp,
+                        int64_t width, const int64_t* lp, int64_t block_size, double scale, int64_t window,
+                        torch::Tensor out) {
   const int64_t n_rows = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads;
+  const int64_t group = heads / kv_heads;
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, n_rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -126,16 +139,31 @@ static void run_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
         fn(qh, kp, vp, tp + n * width, first, len, block_size, kv_heads, h, group, sc, o, scores.data(), acc.data(),
            row_max.data(), row_sum.data());
       };
-      if (dim == 64) run(attend<64>);
-      else if (dim == 128) run(attend<128>);
-      else run(attend<256>);
+      if (dim == 64) run(attend<64, KV>);
+      else if (dim == 128) run(attend<128, KV>);
+      else run(attend<256, KV>);
     }
   });
 }
 
+static void run_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, const int64_t* tp,
+                     int64_t width, const int64_t* lp, int64_t block_size, double scale, int64_t window,
+                     torch::Tensor out) {
+  const int64_t kv_heads = k_cache.size(1);
+  if (k_cache.scalar_type() == torch::kBFloat16)
+    run_rows_of(q, reinterpret_cast<const uint16_t*>(k_cache.data_ptr()),
+                reinterpret_cast<const uint16_t*>(v_cache.data_ptr()), kv_heads, tp, width, lp, block_size, scale,
+                window, out);
+  else
+    run_rows_of(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), kv_heads, tp, width, lp, block_size, scale,
+                window, out);
+}
+
 static void check(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-              v_cache.scalar_type() == torch::kFloat, "paged attention kernel: float32 only");
+  const auto kv = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && v_cache.scalar_type() == kv &&
+              (kv == torch::kFloat || kv == torch::kBFloat16),
+              "paged attention kernel: float32 queries, a float32 or bfloat16 cache");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged attention kernel: contiguous tensors only");
   const int64_t dim = q.size(2);
@@ -186,7 +214,7 @@ def load() -> ModuleType | None:
 
         # -march=native: the build is per instruction set, so its name says which (a shared cache stays safe)
         return load_inline(
-            name=f"deepinfer_cpu_attention_v6_{torch.backends.cpu.get_cpu_capability().lower()}",
+            name=f"deepinfer_cpu_attention_v8_{torch.backends.cpu.get_cpu_capability().lower()}",
             cpp_sources=[_SOURCE],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             extra_include_paths=[os.path.join(os.path.dirname(__file__), "csrc")],

@@ -15,6 +15,7 @@ import torch
 
 from deepinfer.sample import rng
 from deepinfer.sample.logprobs import logprob_dicts, ordered_top
+from deepinfer.sample.penalties import PenaltyState
 from deepinfer.sampling_params import SamplingParams
 
 # Prefix lengths of the (logit descending, id ascending) order that topk tries
@@ -41,6 +42,8 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # generated so far, for penalties and min_tokens
     eos_token_ids: frozenset[int]
     allowed_token_mask: torch.Tensor | None = None
+    # the same tokens kept as penalties read them (sample/penalties.py); None: read from the two lists above
+    penalty_state: PenaltyState | None = None
 
 
 @dataclass
@@ -182,21 +185,34 @@ def _apply_penalties_(x: torch.Tensor, penalized: list[int], rows: Sequence[Samp
     flat = x.view(-1)
     repeated = [i for i in penalized if rows[i].params.repetition_penalty != 1.0]
     if repeated:
-        sequences = [(i, seq) for i in repeated for seq in (rows[i].prompt_token_ids, rows[i].output_token_ids)]
+        sequences = [(i, seq) for i in repeated for seq in _repetition_sequences(rows[i])]
         positions, owners = _flat_positions(sequences, vocab, x.device)
-        penalty = torch.tensor([rows[i].params.repetition_penalty for i in repeated], device=x.device)
-        penalty = penalty.repeat_interleave(2)[owners]
+        penalty = torch.tensor([rows[i].params.repetition_penalty for i, _ in sequences], device=x.device)[owners]
         values = flat[positions]
         flat[positions] = torch.where(values > 0, values / penalty, values * penalty)
     additive = [i for i in penalized if rows[i].params.presence_penalty != 0.0 or rows[i].params.frequency_penalty != 0.0]
     if additive:
-        positions, owners = _flat_positions([(i, rows[i].output_token_ids) for i in additive], vocab, x.device)
+        kept = [i for i in additive if rows[i].penalty_state is not None]  # counts kept as tokens arrived
+        listed = [i for i in additive if rows[i].penalty_state is None]
+        sequences = [(i, rows[i].penalty_state.output_ids) for i in kept] + [(i, rows[i].output_token_ids) for i in listed]
+        positions, owners = _flat_positions(sequences, vocab, x.device)
         local = owners * vocab + positions % vocab
-        counts = torch.zeros(len(additive) * vocab, device=x.device).scatter_add_(0, local, torch.ones(len(local), device=x.device))
+        counts = torch.zeros(len(sequences) * vocab, device=x.device)
+        increments = [torch.from_numpy(rows[i].penalty_state.output_counts) for i in kept]
+        increments.append(torch.ones(int(sum(len(rows[i].output_token_ids) for i in listed))))
+        counts.scatter_add_(0, local, torch.cat(increments).to(x.device))
         count = counts[local]
-        presence = torch.tensor([rows[i].params.presence_penalty for i in additive], device=x.device)[owners]
-        frequency = torch.tensor([rows[i].params.frequency_penalty for i in additive], device=x.device)[owners]
+        owner_rows = [i for i, _ in sequences]
+        presence = torch.tensor([rows[i].params.presence_penalty for i in owner_rows], device=x.device)[owners]
+        frequency = torch.tensor([rows[i].params.frequency_penalty for i in owner_rows], device=x.device)[owners]
         flat[positions] = flat[positions] - presence * (count > 0) - frequency * count
+
+
+def _repetition_sequences(row: SamplingRow) -> tuple[Sequence[int], ...]:
+    """The tokens the repetition penalty reads: the distinct ones kept, or prompt and output as listed."""
+    if row.penalty_state is not None:
+        return (row.penalty_state.seen_ids,)
+    return (row.prompt_token_ids, row.output_token_ids)
 
 
 def _flat_positions(sequences: Sequence[tuple[int, Sequence[int]]], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,6 +66,7 @@ class InProcessExecutor(Executor):
         self.config = config
         self.device = compute.device
         self.dtype = TORCH_DTYPES[compute.dtype]
+        self.kv_dtype = TORCH_DTYPES[compute.cache_dtype]
         ops = cpu_ops.load() if config.cpu_kernels and compute.device == "cpu" else None
         glue = ops is not None and self.dtype == torch.float32 and config.fused_ops
         logger.info("compiled CPU ops: %s", "off (DEEPINFER_CPU_KERNELS=0 or not a CPU)" if ops is None else
@@ -113,7 +114,7 @@ class InProcessExecutor(Executor):
         kernels = None
         if self.config.cpu_kernels and self.device == "cpu" and self.dtype == torch.float32:
             kernels = cpu_attention.load()  # built once per machine (about a minute), then cached by torch
-        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.dtype, self.device,
+        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.kv_dtype, self.device,
                                   self.config.batch_invariant, layout, kernels, self.config.spec,
                                   self.config.enable_mtp_varlen)
         if kv_store is not None:

@@ -81,15 +81,14 @@ def build_inputs(plan: StepPlan, token_ids: dict[str, list[int]], tables: dict[s
                       metadata, rows)
 
 
-def _metadata(tables: list[list[int]], rows: list[RequestRows], positions: list[np.ndarray], pos: np.ndarray,
+def _metadata(tables: list, rows: list[RequestRows], positions: list[np.ndarray], pos: np.ndarray,
               num_decodes: int, buckets, block_size: int, device: torch.device) -> AttentionMetadata:
-    """One layer group's attention metadata: cache slots of this step's tokens, decode tables, prefills."""
+    """One layer group's attention metadata: cache slots of this step's tokens, decode tables, prefills. A table is
+    the request's block ids (a numpy array in the runner, a list elsewhere)."""
     bs = block_size
     slots = np.empty_like(pos)
-    for table, p, r in zip(tables, positions, rows):
-        slots[r.first_row : r.first_row + len(p)] = np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs
     decode_tables = decode_lens = None
-    if num_decodes:
+    if num_decodes:  # decode rows: one padded table row each, their slots read from it in one go
         decoding = [(t, 1 + len(r.drafts)) for t, r in zip(tables, rows) if r.num_known == 1]
         width = max(len(t) for t, _ in decoding)
         padded = np.zeros((num_decodes, width), dtype=np.int64)
@@ -97,10 +96,15 @@ def _metadata(tables: list[list[int]], rows: list[RequestRows], positions: list[
         for t, count in decoding:
             padded[row : row + count, : len(t)] = t
             row += count
+        p = pos[:num_decodes]
+        slots[:num_decodes] = padded[np.arange(num_decodes), p // bs] * bs + p % bs
         decode_tables = torch.from_numpy(padded).to(device)
-        decode_lens = torch.from_numpy(pos[:num_decodes] + 1).to(device)
+        decode_lens = torch.from_numpy(p + 1).to(device)
+    for table, p, r in zip(tables, positions, rows):
+        if r.num_known != 1:
+            slots[r.first_row : r.first_row + len(p)] = np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs
     prefills = [PrefillSeq(r.first_row, r.num_known, r.start + r.num_known,
-                           torch.tensor(t, dtype=torch.int64, device=device))
+                           torch.as_tensor(np.asarray(t, dtype=np.int64), device=device))
                 for t, r in zip(tables, rows) if r.num_known != 1]
     return AttentionMetadata(
         slot_mapping=torch.from_numpy(slots).to(device),

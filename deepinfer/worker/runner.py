@@ -14,6 +14,7 @@ from deepinfer.core.kv_layout import KVCacheSpec, KVLayout, layout_from_specs
 from deepinfer.core.plan import StepPlan, StepResult
 from deepinfer.layers.context import ForwardContext, forward_context
 from deepinfer.sample.logprobs import compute_prompt_logprobs
+from deepinfer.sample.penalties import PenaltyState
 from deepinfer.sample.sampler import Sampler, SamplingRow
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.worker.inputs import RequestRows, build_inputs
@@ -56,20 +57,31 @@ class Tokens:
 @dataclass
 class _RequestState:
     token_ids: Tokens
-    block_ids: list[list[int]]  # per layer group
+    block_ids: list[np.ndarray]  # per layer group, int64; replaced (not changed in place) when blocks are added
     params: SamplingParams
     seed: int
     eos_token_ids: frozenset[int]
     drafting: DraftState = field(default_factory=DraftState)
+    penalties: PenaltyState | None = None  # requests with penalties: their tokens as the sampler reads them
+
+    def __post_init__(self) -> None:
+        p = self.params
+        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            self.penalties = PenaltyState(self.token_ids.prompt, self.token_ids.output)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.token_ids.prompt)
 
+    def extend(self, tokens: list[int]) -> None:
+        self.token_ids.extend(tokens)
+        if self.penalties is not None:
+            self.penalties.extend(tokens)
+
     def sampling_row(self, mask: torch.Tensor | None) -> SamplingRow:
         tokens = self.token_ids
         return SamplingRow(self.params, self.seed, len(tokens.output), tokens.prompt, tokens.output,
-                           self.eos_token_ids, mask)
+                           self.eos_token_ids, mask, self.penalties)
 
 
 def kv_bytes_per_block(specs: list[KVCacheSpec], block_size: int, dtype: torch.dtype,
@@ -129,16 +141,19 @@ class ModelRunner:
             self._requests.pop(request_id, None)
         for new in plan.new_requests:
             self._requests[new.request_id] = _RequestState(
-                Tokens(new.token_ids, new.num_prompt_tokens), [list(t) for t in new.block_ids], new.params, new.seed,
+                Tokens(new.token_ids, new.num_prompt_tokens), [np.asarray(t, dtype=np.int64) for t in new.block_ids],
+                new.params, new.seed,
                 new.eos_token_ids,
             )
         for cached in plan.cached_requests:
-            for table, added in zip(self._requests[cached.request_id].block_ids, cached.new_block_ids):
-                table.extend(added)
+            tables = self._requests[cached.request_id].block_ids
+            for g, added in enumerate(cached.new_block_ids):
+                if added:
+                    tables[g] = np.concatenate([tables[g], np.asarray(added, dtype=np.int64)])
         fresh = {new.request_id for new in plan.new_requests}
         for request_id, tokens in plan.appended_token_ids.items():
             if request_id in self._requests and request_id not in fresh:
-                self._requests[request_id].token_ids.extend(tokens)
+                self._requests[request_id].extend(tokens)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -239,7 +254,7 @@ class ModelRunner:
         result.draft_token_ids.update({rid: d for rid, d in drafts.items() if d})
 
     def _emit(self, request_id: str, tokens: list[int], logprobs: list, result: StepResult) -> None:
-        self._requests[request_id].token_ids.extend(tokens)
+        self._requests[request_id].extend(tokens)
         result.sampled[request_id] = tokens
         if logprobs and logprobs[0] is not None:
             result.logprobs[request_id] = logprobs

@@ -39,11 +39,40 @@ def test_kernel_matches_the_torch_path(kernel, heads, kv_heads, dim, window):
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, None), (4, 1, 256, 40), (6, 2, 128, 17)])
+def test_bfloat16_cache_matches_float32_attention_over_the_same_values(kernels, heads, kv_heads, dim, window):
+    """A bfloat16 cache is read as the float32 values it holds: a float32 cache holding those values gives the same
+    result to float rounding (the compiler may order a vectorized dot product differently for the two types), and
+    prefill rows give the decode bits (what batch invariance needs)."""
+    gen = torch.Generator().manual_seed(dim + heads)
+    num_blocks = 80
+    k = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen).bfloat16()
+    v = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen).bfloat16()
+    lens = torch.tensor([1, 16, 17, 99, 200], dtype=torch.int64)
+    width = int((lens.max() + BS - 1) // BS)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width).contiguous()
+    q = torch.randn(len(lens), heads, dim, generator=gen)
+    scale, w = dim**-0.5, window or -1
+    got = kernels.paged_decode(q, k, v, tables, lens, BS, scale, w)
+    torch.testing.assert_close(got, kernels.paged_decode(q, k.float(), v.float(), tables, lens, BS, scale, w),
+                               atol=1e-6, rtol=1e-6)
+    layer = Attention(heads, kv_heads, dim, scale, 0, sliding_window=window)
+    torch.testing.assert_close(got, layer._decode(q, k, v, tables, lens, BS), atol=2e-6, rtol=1e-5)
+    last = torch.randn(5, heads, dim, generator=gen)  # the last five positions of the longest row, as one chunk
+    chunk = kernels.paged_prefill(last, k, v, tables[-1], int(lens[-1]) - 5, BS, scale, w)
+    one_by_one = [kernels.paged_decode(last[i : i + 1], k, v, tables[-1:], lens[-1:] - 4 + i, BS, scale, w)
+                  for i in range(5)]
+    assert torch.equal(chunk, torch.cat(one_by_one))
+
+
 def test_kernel_refuses_what_it_does_not_handle(kernel):
     q = torch.randn(1, 2, 64, dtype=torch.bfloat16)
     k = torch.randn(16, 2, 64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="float32 queries"):  # bfloat16 queries
         kernel(q, k, k, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), BS, 0.1, -1)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 cache"):
+        kernel(q.float(), k.half(), k.half(), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64),
+               BS, 0.1, -1)
     q, k = q.float(), torch.randn(16, 2, 48)
     with pytest.raises(RuntimeError, match="head dims"):
         kernel(torch.randn(1, 2, 48), k, k, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64),

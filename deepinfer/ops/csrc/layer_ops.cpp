@@ -155,7 +155,10 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::T
 
 // k [T, Hk, D] and v [T, Hk, Dv] (views, heads contiguous) -> rows `slots` of the caches [S, Hk, D] / [S, Hk, Dv].
 void cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+  // float32 rows into a bfloat16 cache are rounded as torch's .to(torch.bfloat16) rounds them (nearest even)
+  const bool narrow = k.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kBFloat16 &&
+                      v.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(narrow || (k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type()),
               "cache_write: dtype mismatch");
   slots = slots.contiguous().to(torch::kInt64);
   const int64_t T = k.size(0), S = k_cache.size(0);
@@ -164,6 +167,18 @@ void cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch:
               k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.numel() == S * kw &&
               v_cache.numel() == S * vw, "cache_write: layout");
   const int64_t* sl = slots.data_ptr<int64_t>();
+  if (narrow) {
+    const float* kb = k.data_ptr<float>();
+    const float* vb = v.data_ptr<float>();
+    auto* kc = k_cache.data_ptr<c10::BFloat16>();
+    auto* vc = v_cache.data_ptr<c10::BFloat16>();
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "cache_write: slot out of range");
+      for (int64_t i = 0; i < kw; ++i) kc[sl[t] * kw + i] = c10::BFloat16(kb[t * k.stride(0) + i]);
+      for (int64_t i = 0; i < vw; ++i) vc[sl[t] * vw + i] = c10::BFloat16(vb[t * v.stride(0) + i]);
+    }
+    return;
+  }
   const int64_t es = k.element_size();
   auto* kb = static_cast<char*>(k.data_ptr());
   auto* vb = static_cast<char*>(v.data_ptr());
