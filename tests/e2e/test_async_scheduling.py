@@ -41,7 +41,7 @@ def engines():
     rows differently and preempt at different steps; batch invariance makes a row's result independent of both (a
     recomputed position otherwise goes through prefill attention instead of decode attention: the same value to
     float rounding, which can move a seeded top-p draw)."""
-    options = dict(kv_cache_memory=6 << 20, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=6, batch_invariant=True)
+    options = dict(kv_cache_memory=3 << 20, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=6, batch_invariant=True)
     built = {mode: LLM(async_scheduling=mode, **options) for mode in (True, False)}
     yield built
     for llm in built.values():
