@@ -358,8 +358,7 @@ class Engine:
             self._close_kv_store()
         self.handoff.close()
         if self._pipeline is not None:
-            self._pipeline.drop_all()
-            self._pipeline.call(self.executor.shutdown)
+            self._pipeline.call(self.executor.shutdown)  # queued behind any step still in flight
             self._pipeline.close()
         else:
             self.executor.shutdown()

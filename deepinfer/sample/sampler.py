@@ -102,10 +102,10 @@ def _check_inputs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
 def _is_plain_greedy(row: SamplingRow, vocab: int) -> bool:
     p = row.params
-    return p.greedy and p.logprobs is None and row.allowed_token_mask is None and not _has_penalties(p) and not _suppresses_stops(row, vocab)
+    return p.greedy and p.logprobs is None and row.allowed_token_mask is None and not has_penalties(p) and not _suppresses_stops(row, vocab)
 
 
-def _has_penalties(p: SamplingParams) -> bool:
+def has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
@@ -141,7 +141,7 @@ def _row_values(rows: Sequence[SamplingRow], get: Callable[[SamplingRow], float]
 def _process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """The logits after penalties and masks; ``logits`` itself when none applies."""
     vocab = logits.shape[1]
-    penalized = [i for i, row in enumerate(rows) if _has_penalties(row.params)]
+    penalized = [i for i, row in enumerate(rows) if has_penalties(row.params)]
     suppressed = [(i, _suppressed_ids(row, vocab)) for i, row in enumerate(rows)]
     suppressed = [(i, ids) for i, ids in suppressed if ids]
     masked = [i for i, row in enumerate(rows) if row.allowed_token_mask is not None]

@@ -15,7 +15,7 @@ from deepinfer.core.plan import StepPlan, StepResult
 from deepinfer.layers.context import ForwardContext, forward_context
 from deepinfer.sample.logprobs import compute_prompt_logprobs
 from deepinfer.sample.penalties import PenaltyState
-from deepinfer.sample.sampler import Sampler, SamplingRow
+from deepinfer.sample.sampler import Sampler, SamplingRow, has_penalties
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.worker.inputs import RequestRows, build_inputs
 from deepinfer.worker.mtp import mtp_drafts
@@ -65,8 +65,7 @@ class _RequestState:
     penalties: PenaltyState | None = None  # requests with penalties: their tokens as the sampler reads them
 
     def __post_init__(self) -> None:
-        p = self.params
-        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+        if has_penalties(self.params):
             self.penalties = PenaltyState(self.token_ids.prompt, self.token_ids.output)
 
     @property
