@@ -124,8 +124,8 @@ class SchedulerConfig:
     async_kv_loads: bool = True
     # overlap scheduling: plan step N+1 and process step N's outputs while step N+1 computes (engine/overlap.py);
     # steps that need step N's tokens to plan (grammar masks, drafts) and KV store / hand-off / expert-parallel
-    # engines run one step at a time. None: on where the model runs on CUDA, off on CPU, where the engine thread
-    # competes with the forward for the cores and the GIL (measured slower, doc/inference_deployment_qa.md).
+    # engines run one step at a time. None: off; it measured slower on the CPU and on CUDA, where the two threads
+    # contend for the GIL (doc/inference_deployment_qa.md).
     async_scheduling: bool | None = None
     # sequences that may wait at once; the server answers 503 + Retry-After past it. None: derived from the KV
     # capacity (engine/client.default_max_waiting). The offline LLM never refuses work.

@@ -32,8 +32,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int, interleaved: bool = False) -> None:
         super().__init__()
-        positions = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq[None, :]
+        positions = torch.arange(max_positions, dtype=torch.int64).float()  # on the device being built for
+        freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
         self.rotary_dim = inv_freq.numel() * 2

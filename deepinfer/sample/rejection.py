@@ -38,7 +38,7 @@ def sample_from(probs: torch.Tensor, u: float) -> int:
     cdf = probs.cumsum(0)
     total = cdf[-1]
     target = min(u * float(total), float(torch.nextafter(total, torch.zeros_like(total))))
-    return int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype), right=True)[0])
+    return int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype, device=cdf.device), right=True)[0])
 
 
 def verify_sampled(target: torch.Tensor, drafts: Sequence[int], draft_probs: torch.Tensor | None,

@@ -53,12 +53,12 @@ def test_the_flag_chooses_the_pipeline(engines):
     assert not engines[False].engine.overlap_scheduling
 
 
-def test_default_is_off_on_cpu_and_on_when_asked():
+def test_default_is_off_and_on_when_asked():
     from deepinfer.config import EngineConfig
     from deepinfer.engine.overlap import overlap_blockers
 
     config = EngineConfig.from_kwargs(model=None)
-    assert overlap_blockers(config, "cpu") and not overlap_blockers(config, "cuda")
+    assert overlap_blockers(config, "cpu") and overlap_blockers(config, "cuda")  # measured slower on both
     assert not overlap_blockers(EngineConfig.from_kwargs(model=None, async_scheduling=True), "cpu")
     reasons = overlap_blockers(EngineConfig.from_kwargs(model=None, async_scheduling=True,
                                                         speculative_method="ngram"), "cpu")

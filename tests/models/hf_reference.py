@@ -41,7 +41,7 @@ def record_logits(llm: LLM) -> list[torch.Tensor]:
 
     def wrapped(hidden):
         out = original(hidden)
-        seen.append(out.detach().clone())
+        seen.append(out.detach().to("cpu", copy=True))  # the reference runs on the CPU
         return out
 
     model.compute_logits = wrapped
