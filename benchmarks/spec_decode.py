@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--modes", default="off,ngram,mtp")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    parser.add_argument("--ngram-min", type=int, default=None, help="shortest suffix an n-gram draft matches")
+    parser.add_argument("--ngram-max", type=int, default=None, help="longest suffix an n-gram draft matches")
     parser.add_argument("--draft", default=None, help="MTP head directory (default: the train-mtp cache dir)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--llama-bin", default=None, help="llama.cpp binaries: adds llama-server off / ngram-simple")
@@ -136,7 +138,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     model_path = resolve_model_path(args.model)
     draft = args.draft or default_head_dir(model_path)
-    options = {"off": {}, "ngram": {"speculative_method": "ngram", "num_speculative_tokens": args.k},
+    options = {"off": {}, "ngram": {"speculative_method": "ngram", "num_speculative_tokens": args.k,
+                         "ngram_min": args.ngram_min, "ngram_max": args.ngram_max},
                "mtp": {"speculative_method": "mtp", "num_speculative_tokens": args.k, "draft": draft}}
     results: list[dict[str, Any]] = []
     reference: dict[tuple[str, int], list] = {}

@@ -196,7 +196,7 @@ class ModelRunner:
         else:
             clock = _lap(result, "forward", clock)
         if self.spec is not None:
-            self._propose(inputs.requests, hidden, result, len(inputs.input_ids))
+            self._propose(inputs.requests, hidden, result)
             _lap(result, "propose", clock)
         if self.kv_transfer is not None:  # KV store: save the blocks this forward filled
             self.kv_transfer.save(plan)
@@ -236,10 +236,11 @@ class ModelRunner:
             record_acceptance(state.drafting, len(r.drafts), len(tokens) - 1)
             self._emit(r.request_id, tokens, lps, result)
 
-    def _propose(self, requests: list[RequestRows], hidden: torch.Tensor, result: StepResult, batch_rows: int) -> None:
+    def _propose(self, requests: list[RequestRows], hidden: torch.Tensor, result: StepResult) -> None:
         """The next step's drafts for every request that sampled (MTP also caches its KV for every computed row)."""
-        lengths = {r.request_id: draft_length(self.spec, self.varlen, self._requests[r.request_id].drafting, batch_rows)
-                   for r in requests if r.samples}
+        sampling = [r for r in requests if r.samples]
+        lengths = {r.request_id: draft_length(self.spec, self.varlen, self._requests[r.request_id].drafting,
+                                              len(sampling)) for r in sampling}
         if self.spec.speculative_method == "mtp":
             drafts = mtp_drafts(self.model, self.model.mtp, requests, hidden,
                                 {r.request_id: self._requests[r.request_id].token_ids for r in requests},
