@@ -125,7 +125,12 @@ def test_killing_a_prefill_replica_loses_no_request(deployment, tiny_model):
         d["doomed"].process.send_signal(signal.SIGSTOP)  # requests routed to it now wait there
         futures = [pool.submit(ask, router.url, "/v1/completions", b, i % 2 == 0) for i, b in enumerate(bodies)]
         orphan = pool.submit(ask, d["decode"].url, "/v1/completions", {**unseen, "kv_transfer_params": held}, True)
-        time.sleep(0.5)
+        doomed = router.router.pools["prefill"].replicas[0]
+        deadline = time.monotonic() + 10
+        while doomed.in_flight < 1 and time.monotonic() < deadline:  # kill it with a request inside, not before
+            time.sleep(0.02)
+        assert doomed.in_flight >= 1, "the router sent no request to the stopped replica"
+        time.sleep(0.2)
         d["doomed"].kill()
         got = [f.result(timeout=120) for f in futures]
         assert [g["text"] for g in got] == [e["text"] for e in expected]
