@@ -104,6 +104,15 @@ static void attend(const float* __restrict__ qh, const KV* __restrict__ kp, cons
     const KV* kb = kp + row0 * DIM;
     const KV* vb = vp + row0 * DIM;
     const int64_t n = stop - start;
+    if (stop < len) {  // the next block sits elsewhere in the pool: ask for its rows of this head now (no value changes)
+      const int64_t next = table[block + 1] * block_size * kv_heads + h;
+      const int64_t ahead = std::min(block_size, len - stop);
+      for (int64_t i = 0; i < ahead; ++i)
+        for (int64_t b = 0; b < (int64_t)(DIM * sizeof(KV)); b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(kp + (next + i * kv_heads) * DIM) + b);
+          __builtin_prefetch(reinterpret_cast<const char*>(vp + (next + i * kv_heads) * DIM) + b);
+        }
+    }
     switch (group) {  // the group as a constant: its loops unroll and the accumulators stay in registers
       case 1: block_step<DIM, 1, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
       case 2: block_step<DIM, 2, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
