@@ -250,7 +250,7 @@ class ModelRunner:
                                 self.batch_invariant, self.cpu_kernels)
         else:
             drafts = {rid: propose(self.spec, np.asarray(self._requests[rid].token_ids.as_list(), dtype=np.int64), n)
-                      for rid, n in lengths.items()}
+                      for rid, n in lengths.items() if n > 0}
         result.draft_token_ids.update({rid: d for rid, d in drafts.items() if d})
 
     def _emit(self, request_id: str, tokens: list[int], logprobs: list, result: StepResult) -> None:

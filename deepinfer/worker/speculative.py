@@ -25,8 +25,10 @@ from deepinfer.spec.ngram import propose_ngram
 
 EMA = 0.7  # weight of the past in a sequence's acceptance estimate
 PROBE_EVERY = 8  # steps between one-token probes of a sequence that stopped drafting
-# a decode step's fixed cost in rows: SmolLM2 Q4_1 on 2 cores, ~5.5 ms a step plus ~0.65 ms a row (spec_decode.py)
-FIXED_ROWS = 8
+# a decode step's fixed cost in rows, calibrated on SmolLM2 Q4_1, 2 cores (benchmarks/spec_decode.py with 2, 4 and 8;
+# doc/inference_deployment_qa.md): below the ~10 rows the kernels alone suggest, since a batch waits for its
+# slowest sequence and a draft's verification costs more than its share of the kernels
+FIXED_ROWS = 4
 
 
 @dataclass
@@ -59,7 +61,7 @@ def draft_length(spec: SpecConfig, varlen: bool, state: DraftState, batch_seqs: 
     """How many tokens to draft next: k, or with varlen the longest j whose j-th draft is still likely enough to be
     accepted. A draft row costs about as much as any row of the step; an accepted draft saves this sequence's share
     of a whole step, step / batch. With a step costing FIXED_ROWS rows plus one per row, drafting the j-th token pays
-    while acceptance^j >= batch / (batch + FIXED_ROWS): 0.11 alone, 0.5 at 8 sequences, 0.8 at 32."""
+    while acceptance^j >= batch / (batch + FIXED_ROWS): 0.2 alone, 0.67 at 8 sequences, 0.89 at 32."""
     k = spec.num_speculative_tokens
     if not varlen:
         return k
