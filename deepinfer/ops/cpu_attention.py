@@ -137,15 +137,20 @@ static void run_rows_of(torch::Tensor q, const KV* kp, const KV* vp, int64_t kv_
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, n_rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * block_size), acc(group * dim), row_max(group), row_sum(group);
+  // Few (row, KV head) items for the threads (one user: 3 for SmolLM2 on 2 threads): one item per query head
+  // instead. A head's arithmetic is the same either way (no operation mixes heads), so the bits are too.
+  const int64_t per = n_rows * kv_heads < 2 * at::get_num_threads() ? 1 : group;
+  const int64_t items_per_row = heads / per;
+  at::parallel_for(0, n_rows * items_per_row, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(per * block_size), acc(per * dim), row_max(per), row_sum(per);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = item / kv_heads, h = item % kv_heads, len = lp[n];
+      const int64_t n = item / items_per_row, first_head = (item % items_per_row) * per, len = lp[n];
+      const int64_t h = first_head / group;  // its KV head
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const float* qh = qp + (n * heads + h * group) * dim;
-      float* o = op + (n * heads + h * group) * dim;
+      const float* qh = qp + (n * heads + first_head) * dim;
+      float* o = op + (n * heads + first_head) * dim;
       auto run = [&](auto fn) {
-        fn(qh, kp, vp, tp + n * width, first, len, block_size, kv_heads, h, group, sc, o, scores.data(), acc.data(),
+        fn(qh, kp, vp, tp + n * width, first, len, block_size, kv_heads, h, per, sc, o, scores.data(), acc.data(),
            row_max.data(), row_sum.data());
       };
       if (dim == 64) run(attend<64, KV>);
