@@ -40,6 +40,68 @@ static inline const float* as_float(const uint16_t* row, float* __restrict__ buf
   return buffer;
 }
 
+#if defined(__AVX512F__)
+// One cached row as DIM / 16 registers of float32 (a bfloat16 row widened on the way in).
+template <int DIM>
+static inline void load_row(const float* row, __m512* out) {
+  for (int c = 0; c < DIM / 16; ++c) out[c] = _mm512_loadu_ps(row + 16 * c);
+}
+template <int DIM>
+static inline void load_row(const uint16_t* row, __m512* out) {
+  for (int c = 0; c < DIM / 16; ++c)
+    out[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))), 16));
+}
+
+// block_step with the G query heads and the G accumulators in registers, each key and value widened once into
+// registers: a score is a chain of DIM / 16 fused multiply-adds and one horizontal sum.
+template <int DIM, int GROUP, typename KV>
+static inline void block_step_avx512(const float* __restrict__ qh, const KV* __restrict__ kb,
+                                     const KV* __restrict__ vb, int64_t count, int64_t stride, int64_t block_size,
+                                     float scale, float* __restrict__ scores, float* __restrict__ acc,
+                                     float* __restrict__ row_max, float* __restrict__ row_sum) {
+  constexpr int C = DIM / 16;
+  __m512 qv[GROUP][C];
+  for (int g = 0; g < GROUP; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(qh + g * DIM + 16 * c);
+  for (int64_t i = 0; i < count; ++i) {
+    __m512 kr[C];
+    load_row<DIM>(kb + i * stride, kr);
+    for (int g = 0; g < GROUP; ++g) {
+      __m512 s = _mm512_mul_ps(qv[g][0], kr[0]);
+      for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[g][c], kr[c], s);
+      scores[g * block_size + i] = _mm512_reduce_add_ps(s) * scale;
+    }
+  }
+  float rescale[GROUP];
+  for (int g = 0; g < GROUP; ++g) {  // one rescale per segment
+    float* __restrict__ sg = scores + g * block_size;
+    float block_max = -INFINITY;
+    for (int64_t i = 0; i < count; ++i) block_max = std::max(block_max, sg[i]);
+    const float new_max = std::max(row_max[g], block_max);
+    rescale[g] = std::exp(row_max[g] - new_max);
+    row_max[g] = new_max;
+    exp_shifted(sg, count, new_max);
+    float sum = 0.f;
+    for (int64_t i = 0; i < count; ++i) sum += sg[i];
+    row_sum[g] = row_sum[g] * rescale[g] + sum;
+  }
+  __m512 av[GROUP][C];
+  for (int g = 0; g < GROUP; ++g)
+    for (int c = 0; c < C; ++c) av[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * DIM + 16 * c), _mm512_set1_ps(rescale[g]));
+  for (int64_t i = 0; i < count; ++i) {
+    __m512 vr[C];
+    load_row<DIM>(vb + i * stride, vr);
+    for (int g = 0; g < GROUP; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * block_size + i]);
+      for (int c = 0; c < C; ++c) av[g][c] = _mm512_fmadd_ps(p, vr[c], av[g][c]);
+    }
+  }
+  for (int g = 0; g < GROUP; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * DIM + 16 * c, av[g][c]);
+}
+#endif
+
 // One segment (count <= block_size consecutive keys of one block) for the G query heads of one (query, KV head):
 // the online-softmax update. noinline: decode and prefill run this very machine code in the same order of segments,
 // so a token's result does not depend on which path computed it (batch-invariant mode relies on it).
@@ -49,6 +111,12 @@ __attribute__((noinline)) static void block_step(const float* __restrict__ qh, c
                                                  int64_t group, int64_t block_size, float scale,
                                                  float* __restrict__ scores, float* __restrict__ acc,
                                                  float* __restrict__ row_max, float* __restrict__ row_sum) {
+#if defined(__AVX512F__)
+  if constexpr (GROUP > 0) {
+    block_step_avx512<DIM, GROUP, KV>(qh, kb, vb, count, stride, block_size, scale, scores, acc, row_max, row_sum);
+    return;
+  }
+#endif
   const int64_t G = GROUP > 0 ? GROUP : group;
   alignas(64) float wide[DIM];  // a bfloat16 row widened once, then read by all G query heads
   for (int64_t i = 0; i < count; ++i) {  // each key read once, scored for the G query heads sharing it
@@ -228,7 +296,7 @@ def load() -> ModuleType | None:
 
         # -march=native: the build is per instruction set, so its name says which (a shared cache stays safe)
         return load_inline(
-            name=f"deepinfer_cpu_attention_v8_{torch.backends.cpu.get_cpu_capability().lower()}",
+            name=f"deepinfer_cpu_attention_v9_{torch.backends.cpu.get_cpu_capability().lower()}",
             cpp_sources=[_SOURCE],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             extra_include_paths=[os.path.join(os.path.dirname(__file__), "csrc")],
