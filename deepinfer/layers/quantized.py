@@ -36,7 +36,6 @@ class QuantWeight:
         self._shards: list[ql.Canonical | None] = [None] * num_shards
         self.packed: ql.PackedWeight | None = None
         self.dense: torch.Tensor | None = None  # float32, only when the kernels are unavailable
-        self.op_args: tuple = ()  # the kernel's weight arguments, looked up once (the decode path calls it 121 times)
 
     def load_shard(self, canonical: ql.Canonical, shard: int) -> None:
         self._shards[shard] = canonical
@@ -53,8 +52,7 @@ class QuantWeight:
         if self.kernels is None:
             self.dense = torch.from_numpy(np.ascontiguousarray(whole.dequantize()))
         else:
-            self.packed = p = ql.pack(whole)
-            self.op_args = (p.quants, p.scales, p.offsets, p.fmt.bits, p.fmt.group, float(p.fmt.c), p.n)
+            self.packed = ql.pack(whole)
 
     @property
     def nbytes(self) -> int:
@@ -101,8 +99,6 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if w.packed is not None:
-            if x.dim() == 2 and x.shape[1] == self.in_features and x.dtype == torch.float32:  # the decode path
-                return w.kernels.quant_linear(x, *w.op_args, self.bias)
             return ql.linear(w.kernels, x.float(), w.packed, self.bias)
         return F.linear(x.float(), w.dense, self.bias)
 

@@ -40,6 +40,21 @@ static inline const float* as_float(const uint16_t* row, float* __restrict__ buf
   return buffer;
 }
 
+// The online-softmax update of one head for one segment: scores sg[0..count) become exp(score - new max) in place,
+// the running max and sum move on; returns the factor the head's accumulated values must be rescaled by.
+static inline float softmax_segment(float* __restrict__ sg, int64_t count, float& row_max, float& row_sum) {
+  float block_max = -INFINITY;
+  for (int64_t i = 0; i < count; ++i) block_max = std::max(block_max, sg[i]);
+  const float new_max = std::max(row_max, block_max);
+  const float rescale = std::exp(row_max - new_max);
+  row_max = new_max;
+  exp_shifted(sg, count, new_max);
+  float sum = 0.f;
+  for (int64_t i = 0; i < count; ++i) sum += sg[i];
+  row_sum = row_sum * rescale + sum;
+  return rescale;
+}
+
 #if defined(__AVX512F__)
 // One cached row as DIM / 16 registers of float32 (a bfloat16 row widened on the way in).
 template <int DIM>
@@ -73,19 +88,8 @@ static inline void block_step_avx512(const float* __restrict__ qh, const KV* __r
       scores[g * block_size + i] = _mm512_reduce_add_ps(s) * scale;
     }
   }
-  float rescale[GROUP];
-  for (int g = 0; g < GROUP; ++g) {  // one rescale per segment
-    float* __restrict__ sg = scores + g * block_size;
-    float block_max = -INFINITY;
-    for (int64_t i = 0; i < count; ++i) block_max = std::max(block_max, sg[i]);
-    const float new_max = std::max(row_max[g], block_max);
-    rescale[g] = std::exp(row_max[g] - new_max);
-    row_max[g] = new_max;
-    exp_shifted(sg, count, new_max);
-    float sum = 0.f;
-    for (int64_t i = 0; i < count; ++i) sum += sg[i];
-    row_sum[g] = row_sum[g] * rescale[g] + sum;
-  }
+  float rescale[GROUP];  // one rescale per segment
+  for (int g = 0; g < GROUP; ++g) rescale[g] = softmax_segment(scores + g * block_size, count, row_max[g], row_sum[g]);
   __m512 av[GROUP][C];
   for (int g = 0; g < GROUP; ++g)
     for (int c = 0; c < C; ++c) av[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * DIM + 16 * c), _mm512_set1_ps(rescale[g]));
@@ -130,16 +134,7 @@ __attribute__((noinline)) static void block_step(const float* __restrict__ qh, c
     }
   }
   for (int64_t g = 0; g < G; ++g) {  // one rescale per segment
-    float* __restrict__ sg = scores + g * block_size;
-    float block_max = -INFINITY;
-    for (int64_t i = 0; i < count; ++i) block_max = std::max(block_max, sg[i]);
-    const float new_max = std::max(row_max[g], block_max);
-    const float rescale = std::exp(row_max[g] - new_max);
-    row_max[g] = new_max;
-    exp_shifted(sg, count, new_max);
-    float sum = 0.f;
-    for (int64_t i = 0; i < count; ++i) sum += sg[i];
-    row_sum[g] = row_sum[g] * rescale + sum;
+    const float rescale = softmax_segment(scores + g * block_size, count, row_max[g], row_sum[g]);
     float* __restrict__ a = acc + g * DIM;
 #pragma omp simd
     for (int d = 0; d < DIM; ++d) a[d] *= rescale;

@@ -10,6 +10,7 @@ The kernels are compiled by ops/cpu_ops.py, for the instruction set the CPU has.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -69,6 +70,11 @@ class PackedWeight:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.quants, self.scales, self.offsets))
+
+    @functools.cached_property
+    def op_args(self) -> tuple:
+        """The kernel's weight arguments, looked up once: a decode step calls the kernel 121 times (SmolLM2)."""
+        return (self.quants, self.scales, self.offsets, self.fmt.bits, self.fmt.group, float(self.fmt.c), self.n)
 
 
 def unify(parts: list[Canonical]) -> Canonical:
@@ -157,10 +163,10 @@ def linear(kernels: ModuleType, x: torch.Tensor, w: PackedWeight, bias: torch.Te
     """x [..., K] float32 -> [..., N] float32."""
     if x.shape[-1] != w.k:
         raise ValueError(f"quantized linear takes inputs of {w.k} features, got {x.shape[-1]}")
+    if x.dim() == 2:  # the decode path: no reshaping
+        return kernels.quant_linear(x, *w.op_args, bias)
     lead = x.shape[:-1]
-    out = kernels.quant_linear(x.reshape(-1, w.k), w.quants, w.scales, w.offsets, w.fmt.bits, w.fmt.group,
-                               float(w.fmt.c), w.n, bias)
-    return out.view(*lead, w.n)
+    return kernels.quant_linear(x.reshape(-1, w.k), *w.op_args, bias).view(*lead, w.n)
 
 
 def rows(kernels: ModuleType, ids: torch.Tensor, w: PackedWeight) -> torch.Tensor:
