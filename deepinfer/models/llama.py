@@ -75,9 +75,14 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, rotary, qkv_bias, qk_norm) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.decode_stack = None  # decode steps' layers in one compiled call (transforms/fused_ops.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.decode_stack is not None:
+            out = self.decode_stack(x, positions)  # None: not a decode-only step
+            if out is not None:
+                return out
         for layer in self.layers:
             x = layer(positions, x)
         return self.norm(x)

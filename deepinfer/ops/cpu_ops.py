@@ -1,5 +1,5 @@
 """deepinfer's compiled CPU ops, one extension module built from csrc/ (quantized-weight linear layers, the fused
-per-layer glue): g++ -O3 for this machine's instruction set through torch's cpp_extension, cached by torch.
+per-layer glue, paged attention, the decode stack that runs them all without returning to Python): g++ -O3 for this machine's instruction set through torch's cpp_extension, cached by torch.
 
 `load()` builds for the CPU it runs on (-march=native: AVX-512 VNNI, AVX2 with or without AVX-VNNI, or portable
 C++, chosen by what the CPU has); `load(isa)` forces a lower target, which tests use to check every path here.
@@ -16,7 +16,7 @@ import torch
 logger = logging.getLogger("deepinfer")
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-SOURCES = ("quant_linear.cpp", "layer_ops.cpp", "bindings.cpp")
+SOURCES = ("quant_linear.cpp", "layer_ops.cpp", "attention.cpp", "decode_stack.cpp", "bindings.cpp")
 ISA_FLAGS = {
     "native": ["-march=native"],
     "avx2-vnni": ["-march=native", "-mno-avx512f", "-mavxvnni"],

@@ -20,7 +20,9 @@ def _data(lines) -> list[dict | str]:
 def test_backpressure_then_sigterm_drains_and_exits_zero():
     args = ("--max-num-seqs", "1", "--max-waiting-requests", "1", "--drain-timeout", "120")
     with running_server(*args) as server, httpx.Client(base_url=server.url, timeout=300) as http:
-        running = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 10, "stream": True, "temperature": 0}
+        # A runs long enough (300 tokens, ~1 s at batch 1 here) that B still waits behind it when C arrives
+        running = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 300, "ignore_eos": True, "stream": True,
+                   "temperature": 0}
         with http.stream("POST", "/v1/completions", json=running) as a:
             a_lines = a.iter_lines()
             first = next(line for line in a_lines if line.startswith("data: "))  # A is running

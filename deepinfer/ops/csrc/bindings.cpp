@@ -1,16 +1,6 @@
 // One extension module for deepinfer's compiled CPU ops (ops/cpu_ops.py builds it).
-#include <torch/extension.h>
 
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
-                           int64_t bits, int64_t group, double c, int64_t n, c10::optional<torch::Tensor> bias);
-torch::Tensor quant_rows(torch::Tensor ids, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
-                         int64_t bits, int64_t group, double c, int64_t k);
-std::string isa();
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset,
-                       c10::optional<torch::Tensor> residual);
-torch::Tensor act_and_mul(torch::Tensor x, int64_t act);
-void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
-void cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
+#include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // compute ops release the GIL: with overlap scheduling the engine thread runs while the forward computes
@@ -23,4 +13,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("act_and_mul", &act_and_mul, "act(gate) * up for [T, 2I] rows (0: SiLU, 1: GELU tanh)", nogil);
   m.def("rotary_", &rotary_, "rotate-half RoPE in place on q and k views", nogil);
   m.def("cache_write", &cache_write, "k, v rows into their KV cache slots", nogil);
+  m.def("paged_decode", &paged_decode, "paged decode attention: one query per row, its own block table", nogil);
+  m.def("paged_prefill", &paged_prefill, "paged attention of consecutive queries of one sequence", nogil);
+  py::class_<DecodeStack>(m, "DecodeStack", py::module_local())  // one per ISA build in a process
+      .def(py::init<std::vector<DecodeStack::Linear>, std::vector<torch::Tensor>, std::vector<double>,
+                    std::vector<int64_t>, std::vector<int64_t>, double, int64_t, torch::Tensor, torch::Tensor,
+                    std::vector<torch::Tensor>, std::vector<torch::Tensor>>())
+      .def("forward", &DecodeStack::forward, "decode rows through every layer and the final norm", nogil);
 }

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "vexp.h"
 
 namespace {
@@ -55,6 +56,51 @@ inline float sum_squares(const float* x, int64_t n) {
 
 }  // namespace
 
+void rms_norm_row(const float* row, float* res, const float* wo, int64_t H, float eps, float* o) {
+  if (res != nullptr) {
+    for (int64_t i = 0; i < H; ++i) res[i] += row[i];
+    row = res;
+  }
+  const float scale = 1.f / std::sqrt(sum_squares(row, H) / (float)H + eps);
+  for (int64_t i = 0; i < H; ++i) o[i] = (row[i] * scale) * wo[i];
+}
+
+void act_row(const float* g, const float* u, float* o, int64_t I, int64_t act) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= I; i += 16) {
+    const __m512 v = _mm512_loadu_ps(g + i), w = _mm512_loadu_ps(u + i);
+    _mm512_storeu_ps(o + i, act == 0 ? silu16(v, w) : gelu16(v, w));
+  }
+#endif
+  for (; i < I; ++i) o[i] = act == 0 ? silu1(g[i], u[i]) : gelu1(g[i], u[i]);
+}
+
+void rotary_row(float* base, int64_t heads, int64_t D, const float* c, const float* s, int64_t half) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* x = base + h * D;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = x[i], x2 = x[i + half];
+      const float a = x1 * c[i], b = x2 * s[i], e = x2 * c[i], f = x1 * s[i];
+      x[i] = a - b;
+      x[i + half] = e + f;
+    }
+  }
+}
+
+void cache_row(const float* k, const float* v, void* k_cache, void* v_cache, bool bf16, int64_t slot, int64_t kw,
+               int64_t vw) {
+  if (bf16) {  // rounded as torch's .to(torch.bfloat16) rounds (nearest even)
+    auto* kc = static_cast<c10::BFloat16*>(k_cache) + slot * kw;
+    auto* vc = static_cast<c10::BFloat16*>(v_cache) + slot * vw;
+    for (int64_t i = 0; i < kw; ++i) kc[i] = c10::BFloat16(k[i]);
+    for (int64_t i = 0; i < vw; ++i) vc[i] = c10::BFloat16(v[i]);
+    return;
+  }
+  std::memcpy(static_cast<float*>(k_cache) + slot * kw, k, kw * sizeof(float));
+  std::memcpy(static_cast<float*>(v_cache) + slot * vw, v, vw * sizeof(float));
+}
+
 // y = x / sqrt(mean(x^2) + eps) * (w + offset), rows of x [T, H] (any row stride). With `residual`, first
 // residual += x (in place) and the norm is taken of the sum: a decoder layer's add-then-norm in one pass.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset,
@@ -76,17 +122,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* row = xp + t * sx;
-      if (res != nullptr) {
-        float* r = res + t * sr;
-        for (int64_t i = 0; i < H; ++i) r[i] += row[i];
-        row = r;
-      }
-      const float scale = 1.f / std::sqrt(sum_squares(row, H) / (float)H + (float)eps);
-      float* o = op + t * H;
-      for (int64_t i = 0; i < H; ++i) o[i] = (row[i] * scale) * wo[i];
-    }
+    for (int64_t t = begin; t < end; ++t)
+      rms_norm_row(xp + t * sx, res != nullptr ? res + t * sr : nullptr, wo.data(), H, (float)eps, op + t * H);
   });
   return out;
 }
@@ -100,19 +137,7 @@ torch::Tensor act_and_mul(torch::Tensor x, int64_t act) {
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* g = xp + t * 2 * I;
-      const float* u = g + I;
-      float* o = op + t * I;
-      int64_t i = 0;
-#if defined(__AVX512F__)
-      for (; i + 16 <= I; i += 16) {
-        const __m512 v = _mm512_loadu_ps(g + i), w = _mm512_loadu_ps(u + i);
-        _mm512_storeu_ps(o + i, act == 0 ? silu16(v, w) : gelu16(v, w));
-      }
-#endif
-      for (; i < I; ++i) o[i] = act == 0 ? silu1(g[i], u[i]) : gelu1(g[i], u[i]);
-    }
+    for (int64_t t = begin; t < end; ++t) act_row(xp + t * 2 * I, xp + t * 2 * I + I, op + t * I, I, act);
   });
   return out;
 }
@@ -134,19 +159,7 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::T
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary_: position out of range");
   auto apply = [&](float* base, int64_t heads, int64_t stride) {
     at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const float* c = cp + pos[t] * half;
-        const float* s = sp + pos[t] * half;
-        for (int64_t h = 0; h < heads; ++h) {
-          float* x = base + t * stride + h * D;
-          for (int64_t i = 0; i < half; ++i) {
-            const float x1 = x[i], x2 = x[i + half];
-            const float a = x1 * c[i], b = x2 * s[i], e = x2 * c[i], f = x1 * s[i];
-            x[i] = a - b;
-            x[i + half] = e + f;
-          }
-        }
-      }
+      for (int64_t t = begin; t < end; ++t) rotary_row(base + t * stride, heads, D, cp + pos[t] * half, sp + pos[t] * half, half);
     });
   };
   apply(q.data_ptr<float>(), q.size(1), q.stride(0));

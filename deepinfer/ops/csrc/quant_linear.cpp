@@ -17,6 +17,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "kernels.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -83,7 +85,10 @@ inline int quant_at(const uint8_t* rec, int j, int i) {
 // The weights stream from memory once per token: ask for the records kPrefetch groups ahead (past this block's
 // last group lies the next block's first, contiguous), so the memory system works ahead of the dot products.
 // Prefetches never fault and change no value.
-constexpr int kPrefetch = 8;
+#ifndef DI_PREFETCH
+#define DI_PREFETCH 8
+#endif
+constexpr int kPrefetch = DI_PREFETCH;
 template <int QB, typename ST>
 inline void prefetch_ahead(const uint8_t* rec, const ST* s, const ST* o) {
   for (int line = 0; line < QB; line += 64)
@@ -240,80 +245,101 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
 }
 #endif
 
-// Rows of x rounded to int8 per 32 values; plain C++ (vectorised by the compiler), no FMA contraction.
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, int32_t* xs) {
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      for (int64_t b = 0; b < K / 32; ++b) {
-        const float* v = x + m * K + 32 * b;
-        float amax = 0.f;
-        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
-        const float d = amax / 127.f;
-        const float id = d > 0.f ? 1.f / d : 0.f;
-        int8_t* q = xq + m * K + 32 * b;
-        int32_t s0 = 0, s1 = 0;
-        for (int i = 0; i < 32; ++i) {
-          const int qi = (int)std::nearbyint(v[i] * id);
-          q[i] = (int8_t)qi;
-          (i < 16 ? s0 : s1) += qi;
-        }
-        xd[m * (K / 32) + b] = d;
-        xs[m * (K / 16) + 2 * b] = s0;
-        xs[m * (K / 16) + 2 * b + 1] = s1;
-      }
+}  // namespace
+
+// One row of x rounded to int8 per 32 values; plain C++ (vectorised by the compiler), no FMA contraction.
+void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, int32_t* xs) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* v = x + 32 * b;
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+    const float d = amax / 127.f;
+    const float id = d > 0.f ? 1.f / d : 0.f;
+    int8_t* q = xq + 32 * b;
+    int32_t s0 = 0, s1 = 0;
+    for (int i = 0; i < 32; ++i) {
+      const int qi = (int)std::nearbyint(v[i] * id);
+      q[i] = (int8_t)qi;
+      (i < 16 ? s0 : s1) += qi;
     }
-  });
+    xd[b] = d;
+    xs[2 * b] = s0;
+    xs[2 * b + 1] = s1;
+  }
 }
 
+namespace {
+
 template <int BITS, int G, typename ST, bool AFF>
-void run(const uint8_t* q, const ST* s, const ST* o, float c, int64_t nb, int64_t K, const int8_t* xq,
-         const float* xd, const int32_t* xs, int64_t M, float* out, int64_t ldo) {
+void blocks(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, const int8_t* xq, const float* xd,
+            const int32_t* xs, int64_t M, float* out, int64_t ldo, int64_t begin, int64_t end) {
   const int64_t ng = K / G;
   const int64_t qb = 16 * G * BITS / 8;
-  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* qr = q + b * ng * qb;
-      const ST* sr = s + b * ng * 16;
-      const ST* orr = AFF ? o + b * ng * 16 : nullptr;
-      int64_t m = 0;
-      // Tiles of kMaxTile rows, then halving tiles for the rest: every row runs the same per-row sequence.
-      for (; m + kMaxTile <= M; m += kMaxTile)
-        tile<kMaxTile, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16), K,
-                                         out + m * ldo + 16 * b, ldo);
+  for (int64_t b = begin; b < end; ++b) {
+    const uint8_t* qr = q + b * ng * qb;
+    const ST* sr = s + b * ng * 16;
+    const ST* orr = AFF ? o + b * ng * 16 : nullptr;
+    int64_t m = 0;
+    // Tiles of kMaxTile rows, then halving tiles for the rest: every row runs the same per-row sequence.
+    for (; m + kMaxTile <= M; m += kMaxTile)
+      tile<kMaxTile, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16), K,
+                                       out + m * ldo + 16 * b, ldo);
 #if defined(DI_AVX512)
-      if (m + 4 <= M) {
-        tile<4, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16), K,
-                                  out + m * ldo + 16 * b, ldo);
-        m += 4;
-      }
-#endif
-#if !defined(DI_AVX512) && !defined(DI_AVX2)
-      (void)0;
-#else
-      if (m + 2 <= M) {
-        tile<2, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16), K,
-                                  out + m * ldo + 16 * b, ldo);
-        m += 2;
-      }
-      if (m < M)
-        tile<1, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16), K,
-                                  out + m * ldo + 16 * b, ldo);
-#endif
+    if (m + 4 <= M) {
+      tile<4, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16), K,
+                                out + m * ldo + 16 * b, ldo);
+      m += 4;
     }
-  });
+#endif
+#if defined(DI_AVX512) || defined(DI_AVX2)
+    if (m + 2 <= M) {
+      tile<2, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16), K,
+                                out + m * ldo + 16 * b, ldo);
+      m += 2;
+    }
+    if (m < M)
+      tile<1, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16), K,
+                                out + m * ldo + 16 * b, ldo);
+#endif
+  }
 }
 
 template <typename ST, bool AFF>
-void dispatch_bits(int64_t bits, int64_t group, const uint8_t* q, const ST* s, const ST* o, float c, int64_t nb,
-                   int64_t K, const int8_t* xq, const float* xd, const int32_t* xs, int64_t M, float* out,
-                   int64_t ldo) {
-  if (bits == 4 && group == 32) return run<4, 32, ST, AFF>(q, s, o, c, nb, K, xq, xd, xs, M, out, ldo);
-  if (bits == 8 && group == 32) return run<8, 32, ST, AFF>(q, s, o, c, nb, K, xq, xd, xs, M, out, ldo);
-  if (bits == 8 && group == 16) return run<8, 16, ST, AFF>(q, s, o, c, nb, K, xq, xd, xs, M, out, ldo);
-  TORCH_CHECK(false, "quant_linear: unsupported format bits=", bits, " group=", group);
+void blocks_of(const QuantView& w, const int8_t* xq, const float* xd, const int32_t* xs, int64_t M, float* out,
+               int64_t ldo, int64_t begin, int64_t end) {
+  const auto* s = static_cast<const ST*>(w.scales);
+  const auto* o = static_cast<const ST*>(w.offsets);
+  if (w.bits == 4 && w.group == 32) return blocks<4, 32, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, M, out, ldo, begin, end);
+  if (w.bits == 8 && w.group == 32) return blocks<8, 32, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, M, out, ldo, begin, end);
+  if (w.bits == 8 && w.group == 16) return blocks<8, 16, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, M, out, ldo, begin, end);
 }
 
 }  // namespace
+
+QuantView quant_view(const torch::Tensor& quants, const torch::Tensor& scales, const torch::Tensor& offsets,
+                     int64_t bits, int64_t group, double c, int64_t k) {
+  TORCH_CHECK((bits == 4 && group == 32) || (bits == 8 && (group == 32 || group == 16)),
+              "quant_linear: unsupported format bits=", bits, " group=", group);
+  TORCH_CHECK(k % 32 == 0 && k % group == 0, "quant_linear: K=", k, " must be a multiple of 32 and of the group");
+  const int64_t nb = quants.size(0);
+  TORCH_CHECK(quants.numel() == nb * (k / group) * 16 * group * bits / 8, "quant_linear: quants do not match K=", k);
+  const bool half = scales.scalar_type() == torch::kFloat16;
+  TORCH_CHECK(half || scales.scalar_type() == torch::kFloat32, "quant_linear: scales must be float16 or float32");
+  const bool aff = offsets.numel() > 0;
+  return QuantView{quants.data_ptr<uint8_t>(), scales.data_ptr(), aff ? offsets.data_ptr() : nullptr, (float)c,
+                   bits, group, nb, k, half, aff};
+}
+
+void quant_blocks(const QuantView& w, const int8_t* xq, const float* xd, const int32_t* xs, int64_t M, float* out,
+                  int64_t ldo, int64_t begin, int64_t end) {
+  if (w.half) {
+    if (w.affine) blocks_of<uint16_t, true>(w, xq, xd, xs, M, out, ldo, begin, end);
+    else blocks_of<uint16_t, false>(w, xq, xd, xs, M, out, ldo, begin, end);
+  } else {
+    if (w.affine) blocks_of<float, true>(w, xq, xd, xs, M, out, ldo, begin, end);
+    else blocks_of<float, false>(w, xq, xd, xs, M, out, ldo, begin, end);
+  }
+}
 
 // x [M, K] float32 -> [M, N] float32 (+ bias). offsets: an empty tensor for symmetric formats (offset = c * scale).
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
@@ -321,35 +347,25 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor quants, torch::Tensor 
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "quant_linear: x must be float32 [M, K]");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % 32 == 0 && K % group == 0, "quant_linear: K=", K, " must be a multiple of 32 and of the group");
-  const int64_t nb = quants.size(0);
-  TORCH_CHECK(quants.numel() == nb * (K / group) * 16 * group * bits / 8, "quant_linear: quants do not match K=", K);
+  const QuantView w = quant_view(quants, scales, offsets, bits, group, c, K);
   auto xq = torch::empty({M, K}, torch::kInt8);
   auto xd = torch::empty({M, K / 32}, torch::kFloat32);
   auto xs = torch::empty({M, K / 16}, torch::kInt32);
-  auto out = torch::empty({M, nb * 16}, torch::kFloat32);
+  auto out = torch::empty({M, w.nb * 16}, torch::kFloat32);
   if (M > 0) {
-    quantize_rows(x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<int32_t>());
-    const bool aff = offsets.numel() > 0;
-    const auto* q = quants.data_ptr<uint8_t>();
-    if (scales.scalar_type() == torch::kFloat16) {
-      const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-      const auto* o = aff ? reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::Half>()) : nullptr;
-      if (aff) dispatch_bits<uint16_t, true>(bits, group, q, s, o, (float)c, nb, K, xq.data_ptr<int8_t>(),
-                                             xd.data_ptr<float>(), xs.data_ptr<int32_t>(), M, out.data_ptr<float>(), nb * 16);
-      else dispatch_bits<uint16_t, false>(bits, group, q, s, o, (float)c, nb, K, xq.data_ptr<int8_t>(),
-                                          xd.data_ptr<float>(), xs.data_ptr<int32_t>(), M, out.data_ptr<float>(), nb * 16);
-    } else {
-      TORCH_CHECK(scales.scalar_type() == torch::kFloat32, "quant_linear: scales must be float16 or float32");
-      const float* s = scales.data_ptr<float>();
-      const float* o = aff ? offsets.data_ptr<float>() : nullptr;
-      if (aff) dispatch_bits<float, true>(bits, group, q, s, o, (float)c, nb, K, xq.data_ptr<int8_t>(),
-                                          xd.data_ptr<float>(), xs.data_ptr<int32_t>(), M, out.data_ptr<float>(), nb * 16);
-      else dispatch_bits<float, false>(bits, group, q, s, o, (float)c, nb, K, xq.data_ptr<int8_t>(),
-                                       xd.data_ptr<float>(), xs.data_ptr<int32_t>(), M, out.data_ptr<float>(), nb * 16);
-    }
+    const float* xp = x.data_ptr<float>();
+    int8_t* qp = xq.data_ptr<int8_t>();
+    float* dp = xd.data_ptr<float>();
+    int32_t* sp = xs.data_ptr<int32_t>();
+    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) quantize_row(xp + m * K, K, qp + m * K, dp + m * (K / 32), sp + m * (K / 16));
+    });
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, w.nb, 1, [&](int64_t begin, int64_t end) {
+      quant_blocks(w, qp, dp, sp, M, op, w.nb * 16, begin, end);
+    });
   }
-  if (nb * 16 != n) out = out.narrow(1, 0, n).contiguous();
+  if (w.nb * 16 != n) out = out.narrow(1, 0, n).contiguous();
   if (bias.has_value() && bias->defined()) out.add_(*bias);
   return out;
 }

@@ -1,0 +1,277 @@
+// Paged attention kernels for the CPU: one pass over each sequence's cached K/V, straight from its blocks.
+//
+// `paged_decode` reads each cached key and value once: per (query, KV head) it scores the G query heads that share
+// the KV head against one block segment of keys, rescales a running max / sum / weighted value sum (online softmax,
+// one rescale per segment), and writes acc / sum; sliding windows start at max(0, len - W). `paged_prefill` runs the
+// same per-query computation for each token of a prefill chunk (one compiled copy of the segment step, no FMA
+// contraction), so a token gets the same bits from either path: the batch-invariant mode's attention. Queries in
+// float32; the cache in float32 or bfloat16 (each value widened to float32 as it is read).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kernels.h"
+#include "vexp.h"
+
+// One cached row of DIM values as float32: a float32 row is read in place; a bfloat16 row (the top half of each
+// float32's bits) is widened into `buffer`.
+template <int DIM>
+static inline const float* as_float(const float* row, float*) { return row; }
+template <int DIM>
+static inline const float* as_float(const uint16_t* row, float* __restrict__ buffer) {
+  uint32_t* __restrict__ bits = reinterpret_cast<uint32_t*>(buffer);
+#pragma omp simd
+  for (int d = 0; d < DIM; ++d) bits[d] = static_cast<uint32_t>(row[d]) << 16;
+  return buffer;
+}
+
+// The online-softmax update of one head for one segment: scores sg[0..count) become exp(score - new max) in place,
+// the running max and sum move on; returns the factor the head's accumulated values must be rescaled by.
+static inline float softmax_segment(float* __restrict__ sg, int64_t count, float& row_max, float& row_sum) {
+  float block_max = -INFINITY;
+  for (int64_t i = 0; i < count; ++i) block_max = std::max(block_max, sg[i]);
+  const float new_max = std::max(row_max, block_max);
+  const float rescale = std::exp(row_max - new_max);
+  row_max = new_max;
+  exp_shifted(sg, count, new_max);
+  float sum = 0.f;
+  for (int64_t i = 0; i < count; ++i) sum += sg[i];
+  row_sum = row_sum * rescale + sum;
+  return rescale;
+}
+
+#if defined(__AVX512F__)
+// One cached row as DIM / 16 registers of float32 (a bfloat16 row widened on the way in).
+template <int DIM>
+static inline void load_row(const float* row, __m512* out) {
+  for (int c = 0; c < DIM / 16; ++c) out[c] = _mm512_loadu_ps(row + 16 * c);
+}
+template <int DIM>
+static inline void load_row(const uint16_t* row, __m512* out) {
+  for (int c = 0; c < DIM / 16; ++c)
+    out[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))), 16));
+}
+
+// block_step with the G query heads and the G accumulators in registers, each key and value widened once into
+// registers: a score is a chain of DIM / 16 fused multiply-adds and one horizontal sum.
+template <int DIM, int GROUP, typename KV>
+static inline void block_step_avx512(const float* __restrict__ qh, const KV* __restrict__ kb,
+                                     const KV* __restrict__ vb, int64_t count, int64_t stride, int64_t block_size,
+                                     float scale, float* __restrict__ scores, float* __restrict__ acc,
+                                     float* __restrict__ row_max, float* __restrict__ row_sum) {
+  constexpr int C = DIM / 16;
+  __m512 qv[GROUP][C];
+  for (int g = 0; g < GROUP; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(qh + g * DIM + 16 * c);
+  for (int64_t i = 0; i < count; ++i) {
+    __m512 kr[C];
+    load_row<DIM>(kb + i * stride, kr);
+    for (int g = 0; g < GROUP; ++g) {
+      __m512 s = _mm512_mul_ps(qv[g][0], kr[0]);
+      for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[g][c], kr[c], s);
+      scores[g * block_size + i] = _mm512_reduce_add_ps(s) * scale;
+    }
+  }
+  float rescale[GROUP];  // one rescale per segment
+  for (int g = 0; g < GROUP; ++g) rescale[g] = softmax_segment(scores + g * block_size, count, row_max[g], row_sum[g]);
+  __m512 av[GROUP][C];
+  for (int g = 0; g < GROUP; ++g)
+    for (int c = 0; c < C; ++c) av[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * DIM + 16 * c), _mm512_set1_ps(rescale[g]));
+  for (int64_t i = 0; i < count; ++i) {
+    __m512 vr[C];
+    load_row<DIM>(vb + i * stride, vr);
+    for (int g = 0; g < GROUP; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * block_size + i]);
+      for (int c = 0; c < C; ++c) av[g][c] = _mm512_fmadd_ps(p, vr[c], av[g][c]);
+    }
+  }
+  for (int g = 0; g < GROUP; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * DIM + 16 * c, av[g][c]);
+}
+#endif
+
+// One segment (count <= block_size consecutive keys of one block) for the G query heads of one (query, KV head):
+// the online-softmax update. noinline: decode and prefill run this very machine code in the same order of segments,
+// so a token's result does not depend on which path computed it (batch-invariant mode relies on it).
+template <int DIM, int GROUP, typename KV>  // GROUP 0: the group size is only known at run time (`group`)
+__attribute__((noinline)) static void block_step(const float* __restrict__ qh, const KV* __restrict__ kb,
+                                                 const KV* __restrict__ vb, int64_t count, int64_t stride,
+                                                 int64_t group, int64_t block_size, float scale,
+                                                 float* __restrict__ scores, float* __restrict__ acc,
+                                                 float* __restrict__ row_max, float* __restrict__ row_sum) {
+#if defined(__AVX512F__)
+  if constexpr (GROUP > 0) {
+    block_step_avx512<DIM, GROUP, KV>(qh, kb, vb, count, stride, block_size, scale, scores, acc, row_max, row_sum);
+    return;
+  }
+#endif
+  const int64_t G = GROUP > 0 ? GROUP : group;
+  alignas(64) float wide[DIM];  // a bfloat16 row widened once, then read by all G query heads
+  for (int64_t i = 0; i < count; ++i) {  // each key read once, scored for the G query heads sharing it
+    const float* __restrict__ k = as_float<DIM>(kb + i * stride, wide);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* __restrict__ qg = qh + g * DIM;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int d = 0; d < DIM; ++d) dot += qg[d] * k[d];
+      scores[g * block_size + i] = dot * scale;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {  // one rescale per segment
+    const float rescale = softmax_segment(scores + g * block_size, count, row_max[g], row_sum[g]);
+    float* __restrict__ a = acc + g * DIM;
+#pragma omp simd
+    for (int d = 0; d < DIM; ++d) a[d] *= rescale;
+  }
+  for (int64_t i = 0; i < count; ++i) {  // each value read once
+    const float* __restrict__ v = as_float<DIM>(vb + i * stride, wide);
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * block_size + i];
+      float* __restrict__ a = acc + g * DIM;
+#pragma omp simd
+      for (int d = 0; d < DIM; ++d) a[d] += p * v[d];
+    }
+  }
+}
+
+
+// One (query, KV head) item: G query heads against the keys first..len-1 of one sequence, segment by segment.
+template <int DIM, typename KV>
+static void attend(const float* __restrict__ qh, const KV* __restrict__ kp, const KV* __restrict__ vp,
+                   const int64_t* __restrict__ table, int64_t first, int64_t len, int64_t block_size,
+                   int64_t kv_heads, int64_t h, int64_t group, float scale, float* __restrict__ out,
+                   float* __restrict__ scores, float* __restrict__ acc, float* __restrict__ row_max,
+                   float* __restrict__ row_sum) {
+  const int64_t stride = kv_heads * DIM;  // floats between consecutive tokens of one head
+  for (int64_t g = 0; g < group; ++g) { row_max[g] = -INFINITY; row_sum[g] = 0.f; }
+  for (int64_t i = 0; i < group * DIM; ++i) acc[i] = 0.f;
+  for (int64_t start = first; start < len;) {
+    const int64_t block = start / block_size, stop = std::min(len, (block + 1) * block_size);
+    const int64_t row0 = (table[block] * block_size + start - block * block_size) * kv_heads + h;
+    const KV* kb = kp + row0 * DIM;
+    const KV* vb = vp + row0 * DIM;
+    const int64_t n = stop - start;
+    if (stop < len) {  // the next block sits elsewhere in the pool: ask for its rows of this head now (no value changes)
+      const int64_t next = table[block + 1] * block_size * kv_heads + h;
+      const int64_t ahead = std::min(block_size, len - stop);
+      for (int64_t i = 0; i < ahead; ++i)
+        for (int64_t b = 0; b < (int64_t)(DIM * sizeof(KV)); b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(kp + (next + i * kv_heads) * DIM) + b);
+          __builtin_prefetch(reinterpret_cast<const char*>(vp + (next + i * kv_heads) * DIM) + b);
+        }
+    }
+    switch (group) {  // the group as a constant: its loops unroll and the accumulators stay in registers
+      case 1: block_step<DIM, 1, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
+      case 2: block_step<DIM, 2, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
+      case 3: block_step<DIM, 3, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
+      case 4: block_step<DIM, 4, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
+      case 8: block_step<DIM, 8, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
+      default: block_step<DIM, 0, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum);
+    }
+    start = stop;
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int d = 0; d < DIM; ++d) out[g * DIM + d] = acc[g * DIM + d] / row_sum[g];
+}
+
+// Items begin..end-1 of a decode batch: item i is row i / (heads / per), query heads (i % (heads / per)) * per
+// and the per - 1 after them, which share one KV head. Row n is a query at position lens[n] - 1.
+template <typename KV>
+static void items_of(const DecodeAttention& a, int64_t begin, int64_t end, float* scratch) {
+  const KV* kp = static_cast<const KV*>(a.k_cache);
+  const KV* vp = static_cast<const KV*>(a.v_cache);
+  const int64_t heads = a.heads, dim = a.dim, per = a.per, group = heads / a.kv_heads;
+  const int64_t items_per_row = heads / per;
+  float* scores = scratch;
+  float* acc = scores + per * a.block_size;
+  float* row_max = acc + per * dim;
+  float* row_sum = row_max + per;
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t n = item / items_per_row, first_head = (item % items_per_row) * per, len = a.lens[n];
+    const int64_t h = first_head / group;  // its KV head
+    const int64_t first = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+    const float* qh = a.q + (n * heads + first_head) * dim;
+    float* o = a.out + (n * heads + first_head) * dim;
+    auto run = [&](auto fn) {
+      fn(qh, kp, vp, a.tables + n * a.width, first, len, a.block_size, a.kv_heads, h, per, a.scale, o, scores, acc,
+         row_max, row_sum);
+    };
+    if (dim == 64) run(attend<64, KV>);
+    else if (dim == 128) run(attend<128, KV>);
+    else run(attend<256, KV>);
+  }
+}
+
+DecodeAttention decode_attention(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                 int64_t rows, int64_t heads, const int64_t* tables, int64_t width,
+                                 const int64_t* lens, int64_t block_size, double scale, int64_t window, float* out,
+                                 int threads) {
+  const int64_t kv_heads = k_cache.size(1), dim = k_cache.size(2);
+  // Few (row, KV head) items for the threads (one user: 3 for SmolLM2 on 2 threads): one item per query head
+  // instead. A head's arithmetic is the same either way (no operation mixes heads), so the bits are too.
+  const int64_t per = rows * kv_heads < 2 * threads ? 1 : heads / kv_heads;
+  return DecodeAttention{q, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.scalar_type() == torch::kBFloat16,
+                         rows, heads, kv_heads, dim, tables, width, lens, block_size, static_cast<float>(scale),
+                         window, out, per};
+}
+
+int64_t decode_items(const DecodeAttention& a) { return a.rows * (a.heads / a.per); }
+
+int64_t decode_scratch(const DecodeAttention& a) { return a.per * (a.block_size + a.dim + 2); }
+
+void decode_item_range(const DecodeAttention& a, int64_t begin, int64_t end, float* scratch) {
+  if (a.bf16) items_of<uint16_t>(a, begin, end, scratch);
+  else items_of<float>(a, begin, end, scratch);
+}
+
+static void run_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, const int64_t* tp,
+                     int64_t width, const int64_t* lp, int64_t block_size, double scale, int64_t window,
+                     torch::Tensor out) {
+  const DecodeAttention a = decode_attention(q.data_ptr<float>(), k_cache, v_cache, q.size(0), q.size(1), tp, width,
+                                             lp, block_size, scale, window, out.data_ptr<float>(),
+                                             at::get_num_threads());
+  at::parallel_for(0, decode_items(a), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(decode_scratch(a));
+    decode_item_range(a, begin, end, scratch.data());
+  });
+}
+
+static void check(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  const auto kv = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && v_cache.scalar_type() == kv &&
+              (kv == torch::kFloat || kv == torch::kBFloat16),
+              "paged attention kernel: float32 queries, a float32 or bfloat16 cache");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged attention kernel: contiguous tensors only");
+  const int64_t dim = q.size(2);
+  TORCH_CHECK(v_cache.size(2) == dim && k_cache.size(2) == dim && (dim == 64 || dim == 128 || dim == 256),
+              "paged attention kernel: head dims 64, 128 or 256 with equal K and V dims");
+}
+
+// Decode: row n is one query at position lens[n] - 1 with its own block table.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                           torch::Tensor lens, int64_t block_size, double scale, int64_t window) {
+  check(q, k_cache, v_cache);
+  tables = tables.contiguous();
+  lens = lens.contiguous();
+  auto out = torch::empty_like(q);
+  run_rows(q, k_cache, v_cache, tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(), block_size,
+           scale, window, out);
+  return out;
+}
+
+// Prefill: T consecutive queries of one sequence at positions first_position..first_position+T-1, one block table;
+// each query runs exactly the decode computation for its own position.
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
+                            int64_t first_position, int64_t block_size, double scale, int64_t window) {
+  check(q, k_cache, v_cache);
+  table = table.contiguous();
+  auto lens = torch::arange(first_position + 1, first_position + q.size(0) + 1, table.options());
+  auto out = torch::empty_like(q);
+  run_rows(q, k_cache, v_cache, table.data_ptr<int64_t>(), 0, lens.data_ptr<int64_t>(), block_size, scale, window,
+           out);
+  return out;
+}

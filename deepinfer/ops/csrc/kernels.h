@@ -1,0 +1,60 @@
+// Row- and block-level pieces of the compiled ops, shared by the torch-level ops (which run them under
+// at::parallel_for) and the decode stack (which runs them inside one parallel region): the same code either way,
+// so the same bits.
+#pragma once
+#include <torch/extension.h>
+
+#include <cstdint>
+
+// quant_linear.cpp: a packed quantized weight (see the layout there), and activations rounded to int8 per row.
+struct QuantView {
+  const uint8_t* quants;
+  const void* scales;  // uint16_t (float16 bits) or float
+  const void* offsets;  // same type; nullptr for symmetric formats
+  float c;
+  int64_t bits, group, nb, k;  // nb: blocks of 16 output rows
+  bool half, affine;
+};
+QuantView quant_view(const torch::Tensor& quants, const torch::Tensor& scales, const torch::Tensor& offsets,
+                     int64_t bits, int64_t group, double c, int64_t k);
+// x [K] -> xq [K] int8, xd [K / 32] scales, xs [K / 16] sums of xq per 16
+void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, int32_t* xs);
+// output blocks begin..end-1 (16 columns each) of M rows: out[m * ldo + 16 * b + j]
+void quant_blocks(const QuantView& w, const int8_t* xq, const float* xd, const int32_t* xs, int64_t M, float* out,
+                  int64_t ldo, int64_t begin, int64_t end);
+
+// layer_ops.cpp: one row each.
+// out = x / sqrt(mean(x^2) + eps) * wo; with res: res += x first and the norm is of the sum (wo = weight + offset)
+void rms_norm_row(const float* x, float* res, const float* wo, int64_t H, float eps, float* out);
+// o[0..I) = act(g) * u; act: 0 SiLU, 1 GELU (tanh)
+void act_row(const float* g, const float* u, float* o, int64_t I, int64_t act);
+// rotate-half RoPE of `heads` heads of D values (the first 2 * half of each) at one position's cos / sin
+void rotary_row(float* x, int64_t heads, int64_t D, const float* c, const float* s, int64_t half);
+// float32 k [kw] and v [vw] into cache slot `slot` (a float32 cache, or bfloat16 when bf16)
+void cache_row(const float* k, const float* v, void* k_cache, void* v_cache, bool bf16, int64_t slot, int64_t kw,
+               int64_t vw);
+
+// attention.cpp: paged decode attention split into items (a row's query heads sharing a KV head, or one query
+// head when there are few rows); scratch is per thread: decode_scratch floats.
+struct DecodeAttention {
+  const float* q;  // [rows, heads, dim]
+  const void* k_cache;  // float or uint16_t (bfloat16 bits) [slots, kv_heads, dim]
+  const void* v_cache;
+  bool bf16;
+  int64_t rows, heads, kv_heads, dim;
+  const int64_t* tables;  // [rows, width]
+  int64_t width;
+  const int64_t* lens;
+  int64_t block_size;
+  float scale;
+  int64_t window;
+  float* out;  // [rows, heads, dim]
+  int64_t per;  // query heads per item
+};
+DecodeAttention decode_attention(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                 int64_t rows, int64_t heads, const int64_t* tables, int64_t width,
+                                 const int64_t* lens, int64_t block_size, double scale, int64_t window, float* out,
+                                 int threads);
+int64_t decode_items(const DecodeAttention& a);
+int64_t decode_scratch(const DecodeAttention& a);
+void decode_item_range(const DecodeAttention& a, int64_t begin, int64_t end, float* scratch);

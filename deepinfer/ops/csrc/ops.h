@@ -1,0 +1,58 @@
+// The compiled CPU ops of one extension module (ops/cpu_ops.py builds it): declared once here for the bindings
+// and for decode_stack.cpp, which calls them in sequence without returning to Python.
+#pragma once
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
+                           int64_t bits, int64_t group, double c, int64_t n, c10::optional<torch::Tensor> bias);
+torch::Tensor quant_rows(torch::Tensor ids, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
+                         int64_t bits, int64_t group, double c, int64_t k);
+std::string isa();
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset,
+                       c10::optional<torch::Tensor> residual);
+torch::Tensor act_and_mul(torch::Tensor x, int64_t act);
+void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
+void cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                           torch::Tensor lens, int64_t block_size, double scale, int64_t window);
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
+                            int64_t first_position, int64_t block_size, double scale, int64_t window);
+
+// A Llama-family decoder stack computing decode rows (one token per sequence) in one call: per layer
+//   h = norm1(res); qkv = Wqkv h; rotary(q, k); cache <- k, v; a = attention; res += Wo a; h = norm2(res);
+//   res += Wdown act(Wgate h) * (Wup h); and the next layer's norm1 (the final norm after the last),
+// each step the row or block code of the op the module path calls, in the same order: the same bits, in one
+// parallel region (barriers between phases instead of a thread fork per op) and without Python between.
+class DecodeStack {
+ public:
+  // one quantized linear layer: quants, scales, offsets, bits, group, c, n, bias
+  using Linear = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, double, int64_t,
+                            c10::optional<torch::Tensor>>;
+  // linears: 4 per layer (qkv, o, gate_up, down); norms / eps: 2 per layer and the final norm; windows: per layer
+  // (-1: none); shape: num_heads, num_kv_heads, head_dim; act: 0 SiLU, 1 GELU (tanh); caches: per layer.
+  DecodeStack(std::vector<Linear> linears, std::vector<torch::Tensor> norms, std::vector<double> eps,
+              std::vector<int64_t> windows, std::vector<int64_t> shape, double scale, int64_t act,
+              torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
+              std::vector<torch::Tensor> v_caches);
+  // x [T, H] the embedded tokens -> [T, H] the final norm of the last layer's output.
+  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor tables,
+                        torch::Tensor lens, int64_t block_size) const;
+
+ private:
+  std::vector<Linear> linears_;
+  std::vector<QuantView> views_;  // of linears_ (which keep the tensors alive)
+  std::vector<std::vector<float>> wo_;  // norm weights (+ offset 0, as rms_norm adds it)
+  std::vector<torch::Tensor> norms_;
+  std::vector<double> eps_;
+  std::vector<int64_t> windows_;
+  int64_t heads_, kv_heads_, head_dim_;
+  double scale_;
+  int64_t act_;
+  torch::Tensor cos_, sin_;
+  std::vector<torch::Tensor> k_caches_, v_caches_;
+};

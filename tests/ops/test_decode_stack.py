@@ -1,0 +1,113 @@
+"""The decode stack (layers/decode_stack.py, ops/csrc/decode_stack.cpp) against the module path it replaces on
+decode steps: the same tokens and the same logprobs, bit for bit, on tiny random Llama-family models quantized at
+load and on the bundled SmolLM2; and it is really taken on decode steps and refused where it cannot be exact."""
+import pytest
+import torch
+import transformers
+
+from deepinfer import SamplingParams
+from deepinfer.layers.decode_stack import DecodeStack
+from deepinfer.llm import LLM
+
+from ..models.hf_reference import save_tiny
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+BASE = dict(vocab_size=512, hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+VARIANTS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=True), {}),
+    "mistral-window": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=24), {}),
+    "qwen2-bias-bf16-kv": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False),
+                           dict(kv_cache_dtype="bfloat16")),
+}
+# mixed lengths: rows of one decode step sit at different positions, some past a block and past the window
+PROMPTS = [[5, 17, 99, 3, 250, 11, 42], list(range(1, 40)), [7], list(range(100, 150))]
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+
+
+def stack_of(llm: LLM):
+    return llm.engine.executor.runner.model.model
+
+
+def run(llm: LLM, prompts, use_stack: bool, stack: DecodeStack) -> tuple[list, list]:
+    stack_of(llm).decode_stack = stack if use_stack else None
+    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+
+
+def count_calls(stack: DecodeStack) -> list[int]:
+    """Wraps the stack so each call that computed (did not hand back to the module path) is counted."""
+    taken = [0]
+    original = stack.__call__
+
+    class Counting(DecodeStack):
+        def __call__(self, x, positions):
+            out = original(x, positions)
+            taken[0] += out is not None
+            return out
+
+    stack.__class__ = Counting
+    return taken
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def tiny(request, tmp_path_factory):
+    config_cls, model_cls, extra, options = VARIANTS[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    save_tiny(model_cls, config_cls(**{**BASE, **extra}), path)
+    return LLM(str(path), quantization="int8", kv_cache_memory=16 << 20, block_size=16, enable_prefix_caching=False,
+               **options)
+
+
+def test_tiny_models_same_bits_with_and_without_the_stack(tiny):
+    stack = stack_of(tiny).decode_stack
+    assert stack is not None, "the stack should be on for a plain Llama-family model on quantized weights"
+    taken = count_calls(stack)
+    for prompts in ([PROMPTS[1]], PROMPTS):  # alone, and in a mixed batch
+        off = run(tiny, prompts, False, stack)
+        taken[0] = 0
+        on = run(tiny, prompts, True, stack)
+        assert taken[0] >= PARAMS.max_tokens - 1  # every decode-only step went through the stack
+        assert on == off
+
+
+def test_refused_where_it_cannot_be_exact(tmp_path):
+    qk_norm = tmp_path / "qwen3"
+    save_tiny(transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**{**BASE, "head_dim": 64}), qk_norm)
+    assert stack_of(LLM(str(qk_norm), quantization="int8", kv_cache_memory=8 << 20)).decode_stack is None
+    dense = tmp_path / "llama"
+    save_tiny(transformers.LlamaForCausalLM, transformers.LlamaConfig(**BASE), dense)
+    assert stack_of(LLM(str(dense), kv_cache_memory=8 << 20)).decode_stack is None  # exact float32 weights
+    assert stack_of(LLM(str(dense), quantization="int8", kv_cache_memory=8 << 20,
+                        batch_invariant=True)).decode_stack is None
+
+
+def test_bundled_model_same_bits_with_and_without_the_stack():
+    llm = LLM(kv_cache_memory=64 << 20, enable_prefix_caching=False)
+    stack = stack_of(llm).decode_stack
+    assert stack is not None
+    tok = llm.get_tokenizer()
+    prompts = [tok(p).input_ids for p in ("The capital of France is", "def fibonacci(n):",
+                                          "Once upon a time, in a small village by the sea, there lived")]
+    assert run(llm, prompts, True, stack) == run(llm, prompts, False, stack)
+
+
+def test_bad_rows_are_refused_not_computed():
+    llm = LLM(kv_cache_memory=16 << 20)
+    stack = stack_of(llm).decode_stack
+    caches = llm.engine.executor.runner.kv_caches
+    compiled = stack._compiled(caches)
+    slots = caches[0][0].shape[0]
+    x = torch.zeros(1, 576)
+    ok = dict(positions=torch.tensor([3]), slots=torch.tensor([3]), tables=torch.zeros(1, 1, dtype=torch.int64),
+              lens=torch.tensor([4]))
+    bad = {"slot out of range": dict(slots=torch.tensor([slots])),
+           "position out of range": dict(positions=torch.tensor([10**7])),
+           "context length out of range": dict(lens=torch.tensor([17])),
+           "block out of range": dict(tables=torch.tensor([[slots]]))}
+    for message, change in bad.items():
+        args = {**ok, **change}
+        with pytest.raises(RuntimeError, match=message):
+            compiled.forward(x, args["positions"], args["slots"], args["tables"], args["lens"], 16)
+    assert compiled.forward(x, ok["positions"], ok["slots"], ok["tables"], ok["lens"], 16).shape == (1, 576)
