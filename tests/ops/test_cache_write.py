@@ -17,11 +17,13 @@ def ops():
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_cache_write_matches_index_copy(ops, cache_dtype):
     gen = torch.Generator().manual_seed(3)
-    slots_total, heads, dim = 64, 3, 64
-    k = torch.randn(7, heads, dim, generator=gen)
-    v = torch.randn(7, heads, dim, generator=gen)
-    k[0, 0, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3e38])  # ties round to even; a large value
-    slots = torch.tensor([5, 0, 63, 17, 18, 40, 2])
+    slots_total, heads, dim = 512, 3, 64
+    k = torch.randn(300, heads, dim, generator=gen)  # enough rows for the threads to share them
+    v = torch.randn(300, heads, dim, generator=gen)
+    # ties round to even; a large value, infinities, NaN, -0, a subnormal
+    k[0, 0, :9] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3e38, float("inf"), -float("inf"),
+                                float("nan"), -0.0, 1e-40])
+    slots = torch.randperm(slots_total, generator=gen)[:300]
     want_k, want_v = (torch.zeros(slots_total, heads, dim, dtype=cache_dtype) for _ in range(2))
     want_k.index_copy_(0, slots, k.to(cache_dtype))
     want_v.index_copy_(0, slots, v.to(cache_dtype))

@@ -98,3 +98,21 @@ def test_prefill_queries_give_the_decode_bits_of_their_position(kernels, window)
             got.append(kernels.paged_prefill(q[start : start + n], k, v, table, start, BS, scale, w))
             start += n
         assert torch.equal(torch.cat(got), decodes), chunks
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, None), (4, 4, 128, 600), (8, 1, 256, None)])
+@pytest.mark.parametrize("tokens", [1, 37, 128, 129, 513])
+def test_fresh_prefill_causal_shortcut_gives_the_masked_bits(heads, kv_heads, dim, window, tokens):
+    """A prompt's first chunk uses SDPA's is_causal (no mask tensor); the explicit mask gives the same bits."""
+    torch.manual_seed(tokens)
+    attn = Attention(heads, kv_heads, dim, dim**-0.5, 0, window)
+    q, k, v = torch.randn(tokens, heads, dim), torch.randn(tokens, kv_heads, dim), torch.randn(tokens, kv_heads, dim)
+    shortcut = attn._prefill(q, k, v, tokens)
+    # what the mask path computes for the same rows: the explicit causal mask
+    pos_q = torch.arange(tokens)[:, None]
+    pos_k = torch.arange(tokens)[None, :]
+    mask = pos_k <= pos_q
+    masked = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask, scale=dim**-0.5, enable_gqa=heads != kv_heads).squeeze(0).transpose(0, 1)
+    assert torch.equal(shortcut, masked)

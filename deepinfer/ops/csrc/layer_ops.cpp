@@ -88,13 +88,21 @@ void rotary_row(float* base, int64_t heads, int64_t D, const float* c, const flo
   }
 }
 
+// float32 -> bfloat16 bits as torch's .to(torch.bfloat16) gives them: rounded to nearest even, every NaN to 0xFFFF
+// (its vectorised conversion's NaN); branch-free apart from the NaN select, so the compiler vectorises the loops.
+static inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return f != f ? (uint16_t)0xFFFF : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 void cache_row(const float* k, const float* v, void* k_cache, void* v_cache, bool bf16, int64_t slot, int64_t kw,
                int64_t vw) {
-  if (bf16) {  // rounded as torch's .to(torch.bfloat16) rounds (nearest even)
-    auto* kc = static_cast<c10::BFloat16*>(k_cache) + slot * kw;
-    auto* vc = static_cast<c10::BFloat16*>(v_cache) + slot * vw;
-    for (int64_t i = 0; i < kw; ++i) kc[i] = c10::BFloat16(k[i]);
-    for (int64_t i = 0; i < vw; ++i) vc[i] = c10::BFloat16(v[i]);
+  if (bf16) {
+    auto* kc = static_cast<uint16_t*>(k_cache) + slot * kw;
+    auto* vc = static_cast<uint16_t*>(v_cache) + slot * vw;
+    for (int64_t i = 0; i < kw; ++i) kc[i] = bf16_bits(k[i]);
+    for (int64_t i = 0; i < vw; ++i) vc[i] = bf16_bits(v[i]);
     return;
   }
   std::memcpy(static_cast<float*>(k_cache) + slot * kw, k, kw * sizeof(float));
@@ -180,16 +188,16 @@ void cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch:
               k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.numel() == S * kw &&
               v_cache.numel() == S * vw, "cache_write: layout");
   const int64_t* sl = slots.data_ptr<int64_t>();
-  if (narrow) {
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "cache_write: slot out of range");
+  if (narrow) {  // a prefill chunk writes thousands of rows: shared by the threads, each row by one
     const float* kb = k.data_ptr<float>();
     const float* vb = v.data_ptr<float>();
-    auto* kc = k_cache.data_ptr<c10::BFloat16>();
-    auto* vc = v_cache.data_ptr<c10::BFloat16>();
-    for (int64_t t = 0; t < T; ++t) {
-      TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "cache_write: slot out of range");
-      for (int64_t i = 0; i < kw; ++i) kc[sl[t] * kw + i] = c10::BFloat16(kb[t * k.stride(0) + i]);
-      for (int64_t i = 0; i < vw; ++i) vc[sl[t] * vw + i] = c10::BFloat16(vb[t * v.stride(0) + i]);
-    }
+    void* kc = k_cache.data_ptr();
+    void* vc = v_cache.data_ptr();
+    const int64_t sk = k.stride(0), sv = v.stride(0);
+    at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) cache_row(kb + t * sk, vb + t * sv, kc, vc, true, sl[t], kw, vw);
+    });
     return;
   }
   const int64_t es = k.element_size();
@@ -198,7 +206,6 @@ void cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch:
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());
   for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "cache_write: slot out of range");
     std::memcpy(kc + sl[t] * kw * es, kb + t * k.stride(0) * es, kw * es);
     std::memcpy(vc + sl[t] * vw * es, vb + t * v.stride(0) * es, vw * es);
   }
