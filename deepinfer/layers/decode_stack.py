@@ -1,8 +1,9 @@
 """The decode fast path of a Llama-family model on quantized weights: every decoder layer of a decode-only step
-(one token per sequence) in one call to the compiled ops (csrc/decode_stack.cpp). It calls the ops the module path
-calls, in the same order, so a row gets the same bits either way; what it removes is Python between them (about
-two thirds of a batch-1 decode step's time outside the matrix products). Steps with prefill chunks or draft
-verification, and the batch-invariant mode, take the module path.
+(decode rows: one token per sequence, or a token and its drafts, each a row of its own) in one call to the
+compiled ops (csrc/decode_stack.cpp). It runs the row and block code the module path runs, in the same order, so a
+row gets the same bits either way; what it removes is Python between the ops and a thread fork per op (about two
+thirds of a batch-1 decode step's time outside the matrix products). Steps with prefill chunks, and the
+batch-invariant mode, take the module path.
 """
 from __future__ import annotations
 

@@ -218,10 +218,12 @@ class ModelRunner:
         plain = [i for i, r in enumerate(sampling) if not r.drafts]
         offsets = np.cumsum([0] + [1 + len(r.drafts) for r in sampling])
         if plain:
-            index = torch.tensor([int(offsets[i]) for i in plain], device=logits.device)
             rows = [self._requests[sampling[i].request_id].sampling_row(masks.get(sampling[i].request_id))
                     for i in plain]
-            out = self.sampler(logits[index], rows)
+            if len(plain) == logits.shape[0]:  # every row, in order (no drafts): no copy of the logits
+                out = self.sampler(logits, rows)
+            else:
+                out = self.sampler(logits[torch.tensor([int(offsets[i]) for i in plain], device=logits.device)], rows)
             for i, token, lp in zip(plain, out.token_ids, out.logprobs):
                 self._emit(sampling[i].request_id, [token], [lp], result)
         for i, r in enumerate(sampling):
