@@ -25,43 +25,69 @@ def _linear_args(linear: nn.Module) -> tuple:
     return (*packed.op_args, bias)
 
 
+NORMS = ("norm_in", "post_attn", "pre_ffn", "post_ffn", "q_norm", "k_norm")  # DecodeStack::Norm's order (ops.h)
+
+
 class DecodeStack:
-    """Built from a model's decoder layers (each: norm1, qkv, rotary, attention, o, norm2, gate_up, act, down, as
-    plain modules and parameters) and its final norm; the compiled stack is made on the first step that uses it
-    and again whenever the KV cache tensors change."""
+    """Built from a model's decoder layers, each a dict of its parts: norm_in, qkv, q_norm / k_norm (optional, per
+    head), rotary, attn, o, post_attn (optional: applied to the attention output before the residual add),
+    pre_ffn, gate_up, act, down, post_ffn (optional); and the final norm. The compiled stack is made on the first
+    step that uses it, and again whenever the KV cache tensors change."""
 
     def __init__(self, ops: ModuleType, layers: list[dict[str, Any]], final_norm: nn.Module,
-                 shape: tuple[int, int, int], scale: float, act: str, cos: torch.Tensor, sin: torch.Tensor) -> None:
+                 shape: tuple[int, int, int]) -> None:
         self.ops = ops
-        self.cache_index = [layer["attn"].cache_index for layer in layers]
-        self.windows = [layer["attn"].sliding_window or -1 for layer in layers]
+        attns = [layer["attn"] for layer in layers]
+        if len({a.scale for a in attns}) != 1 or len({layer["act"].act for layer in layers}) != 1:
+            raise ValueError("a decode stack needs one attention scale and one activation for all layers")
+        self.cache_index = [a.cache_index for a in attns]
+        self.windows = [a.sliding_window or -1 for a in attns]
         self.linears = [_linear_args(layer[name]) for layer in layers for name in ("qkv", "o", "gate_up", "down")]
-        norms = [n for layer in layers for n in (layer["norm1"], layer["norm2"])] + [final_norm]
-        self.norms = [n.weight.detach() for n in norms]
-        self.eps = [float(n.eps) for n in norms]
-        self.shape, self.scale, self.act = list(shape), float(scale), ACTS[act]
-        self.cos, self.sin = cos, sin
+        modules: list[nn.Module] = []
+        index = []
+        for norm in [layer.get(name) for layer in layers for name in NORMS] + [final_norm]:
+            if norm is not None and all(norm is not m for m in modules):
+                modules.append(norm)
+            index.append(-1 if norm is None else next(i for i, m in enumerate(modules) if m is norm))
+        self.norm_index = index
+        self.norms = [m.weight.detach() for m in modules]
+        self.eps = [float(m.eps) for m in modules]
+        self.offsets = [float(m.offset) for m in modules]
+        self.shape, self.scale, self.act = list(shape), float(attns[0].scale), ACTS[layers[0]["act"].act]
+        self.cos = [layer["rotary"].cos for layer in layers]
+        self.sin = [layer["rotary"].sin for layer in layers]
         self._caches: list | None = None
         self._stack = None
+        self._group_heads: list[int] = []  # per group of layers, its first layer (whose metadata the group uses)
 
-    def _compiled(self, kv_caches: list) -> Any:
+    def _compiled(self, kv_caches: list, layer_attn: list | None) -> Any:
         if self._caches is not kv_caches:
+            groups, heads = [], []  # layers sharing one metadata object attend through the same tables
+            for i in self.cache_index:
+                md = None if layer_attn is None else layer_attn[i]
+                g = next((n for n, h in enumerate(heads) if layer_attn is None or layer_attn[h] is md), None)
+                if g is None:
+                    heads.append(i)
+                    g = len(heads) - 1
+                groups.append(g)
             caches = [kv_caches[i] for i in self.cache_index]
-            self._stack = self.ops.DecodeStack(self.linears, self.norms, self.eps, self.windows, self.shape,
-                                               self.scale, self.act, self.cos, self.sin,
-                                               [k for k, _ in caches], [v for _, v in caches])
-            self._caches = kv_caches
+            self._stack = self.ops.DecodeStack(self.linears, self.norms, self.eps, self.offsets, self.norm_index,
+                                               self.windows, groups, self.shape, self.scale, self.act, self.cos,
+                                               self.sin, [k for k, _ in caches], [v for _, v in caches])
+            self._caches, self._group_heads = kv_caches, heads
         return self._stack
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The final-normed hidden states of a decode-only step, or None where the module path must run."""
         ctx = get_forward_context()
-        md = ctx.attn
-        if ctx.batch_invariant or ctx.layer_attn is not None or ctx.cpu_kernels is None or md.prefills \
-                or x.dim() != 2 or md.num_decodes != x.shape[0] or x.dtype != torch.float32:
+        if ctx.batch_invariant or ctx.cpu_kernels is None or x.dim() != 2 or x.dtype != torch.float32:
             return None
         k_cache, v_cache = ctx.kv_caches[self.cache_index[0]]
         if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
             return None
-        return self._compiled(ctx.kv_caches).forward(x, positions, md.slot_mapping, md.decode_block_tables,
-                                                     md.decode_context_lens, md.block_size)
+        stack = self._compiled(ctx.kv_caches, ctx.layer_attn)
+        mds = [ctx.attn_for(i) for i in self._group_heads]
+        if any(md.prefills or md.num_decodes != x.shape[0] for md in mds):
+            return None
+        return stack.forward(x, positions, [md.slot_mapping for md in mds], [md.decode_block_tables for md in mds],
+                             [md.decode_context_lens for md in mds], mds[0].block_size)

@@ -126,11 +126,16 @@ class Gemma3Model(nn.Module):
             Gemma3DecoderLayer(config, i, rotaries[t], windows[t]) for i, t in enumerate(self.layer_types)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0)
+        self.decode_stack = None  # decode steps' layers in one compiled call (transforms/fused_ops.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # The reference rounds sqrt(hidden) to the compute dtype before scaling (it matters in bfloat16).
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        if self.decode_stack is not None:
+            out = self.decode_stack(x, positions)  # None: not a decode-only step
+            if out is not None:
+                return out
         for layer in self.layers:
             x = layer(positions, x)
         return self.norm(x)

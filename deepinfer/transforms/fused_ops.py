@@ -1,6 +1,6 @@
 """The fused-glue transform: norms, gated activations, rotary embeddings and KV cache writes of a built model
 compute through the compiled CPU ops (ops/csrc/layer_ops.cpp), one call each instead of several torch ops; and a
-Llama-family model on quantized weights gets its decode stack (layers/decode_stack.py): a decode-only step's
+Llama-family or Gemma 3 model on quantized weights gets its decode stack (layers/decode_stack.py): a decode-only step's
 layers in one call.
 
 Rotary and the cache write give the same bits as the torch ops they replace. The norm and the activation round
@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import logging
 from types import ModuleType
+from typing import Any
 
 from torch import nn
 
 from deepinfer.layers.activation import ActAndMul
 from deepinfer.layers.attention import Attention
-from deepinfer.layers.decode_stack import DecodeStack
+from deepinfer.layers.decode_stack import NORMS, DecodeStack
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.quantized import QuantizedLinear
 from deepinfer.layers.rotary import RotaryEmbedding
+from deepinfer.models.gemma3 import Gemma3DecoderLayer, Gemma3MLP, Gemma3Model
 from deepinfer.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 logger = logging.getLogger("deepinfer")
@@ -35,40 +37,46 @@ def enable_fused_ops(model: nn.Module, ops: ModuleType, exact_only: bool = False
             changed += 1
     if not exact_only and hasattr(ops, "DecodeStack"):
         for module in model.modules():
-            if isinstance(module, LlamaModel):
-                why = _stack_blocker(module)
-                module.decode_stack = None if why else _decode_stack(module, ops)
+            if isinstance(module, (LlamaModel, Gemma3Model)):
+                layers = [_parts(layer) for layer in module.layers]
+                why = _stack_blocker(layers, module.norm)
+                module.decode_stack = None if why else DecodeStack(ops, layers, module.norm, layers[0]["shape"])
                 logger.info("decode stack (decode steps' layers in one compiled call): %s", why or "on")
     return changed
 
 
-def _stack_blocker(model: LlamaModel) -> str | None:
+def _parts(layer: nn.Module) -> dict[str, Any] | None:
+    """A decoder layer's parts by role (layers/decode_stack.py), or None for a layer kind the stack does not run."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(layer) is LlamaDecoderLayer and type(mlp) is LlamaMLP:
+        norms = dict(norm_in=layer.input_layernorm, pre_ffn=layer.post_attention_layernorm)
+    elif type(layer) is Gemma3DecoderLayer and type(mlp) is Gemma3MLP:
+        norms = dict(norm_in=layer.input_layernorm, post_attn=layer.post_attention_layernorm,
+                     pre_ffn=layer.pre_feedforward_layernorm, post_ffn=layer.post_feedforward_layernorm)
+    else:
+        return None
+    return dict(norms, qkv=attn.qkv_proj, q_norm=attn.q_norm, k_norm=attn.k_norm, rotary=attn.rotary,
+                attn=attn.attn, o=attn.o_proj, gate_up=mlp.gate_up_proj, act=mlp.act, down=mlp.down_proj,
+                shape=(attn.num_heads, attn.num_kv_heads, attn.head_dim))
+
+
+def _stack_blocker(layers: list[dict[str, Any] | None], final_norm: nn.Module) -> str | None:
     """Why the decode stack cannot compute this model exactly as its modules do; None when it can."""
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if type(layer) is not LlamaDecoderLayer or type(mlp) is not LlamaMLP:
-            return "off (not a plain Llama decoder layer)"
-        if attn.q_norm is not None:
-            return "off (QK norm)"
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if not layers or any(parts is None for parts in layers):
+        return "off (not a plain Llama or Gemma 3 decoder layer)"
+    if len({parts["shape"] for parts in layers}) != 1:
+        return "off (layers differ in head shape)"
+    for parts in layers:
+        linears = [parts[name] for name in ("qkv", "o", "gate_up", "down")]
         if not all(isinstance(m, QuantizedLinear) and m.weight.packed is not None for m in linears):
             return "off (needs quantized weights on the compiled kernels)"
-        if attn.rotary.ops is None or attn.rotary.interleaved:
+        if parts["rotary"].ops is None or parts["rotary"].interleaved:
             return "off (rotary layout)"
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if any(n.ops is None or n.offset != 0 for n in norms) or mlp.act.ops is None:
+        norms = [parts[name] for name in NORMS if parts.get(name) is not None]
+        if any(n.ops is None for n in norms + [final_norm]) or parts["act"].ops is None:
             return "off (norm or activation not on the fused ops)"
-        if attn.attn.head_dim not in (64, 128, 256):
+        if parts["attn"].head_dim not in (64, 128, 256):
             return "off (head dim)"
-    if model.norm.ops is None or model.norm.offset != 0 or not model.layers:
-        return "off (final norm)"
+    if len({parts["attn"].scale for parts in layers}) != 1:
+        return "off (layers differ in attention scale)"
     return None
-
-
-def _decode_stack(model: LlamaModel, ops: ModuleType) -> DecodeStack:
-    first = model.layers[0].self_attn
-    layers = [dict(norm1=layer.input_layernorm, qkv=layer.self_attn.qkv_proj, attn=layer.self_attn.attn,
-                   o=layer.self_attn.o_proj, norm2=layer.post_attention_layernorm, gate_up=layer.mlp.gate_up_proj,
-                   down=layer.mlp.down_proj) for layer in model.layers]
-    return DecodeStack(ops, layers, model.norm, (first.num_heads, first.num_kv_heads, first.head_dim),
-                       first.attn.scale, model.layers[0].mlp.act.act, first.rotary.cos, first.rotary.sin)

@@ -1,6 +1,7 @@
 """The decode stack (layers/decode_stack.py, ops/csrc/decode_stack.cpp) against the module path it replaces on
-decode steps: the same tokens and the same logprobs, bit for bit, on tiny random Llama-family models quantized at
-load and on the bundled SmolLM2; and it is really taken on decode steps and refused where it cannot be exact."""
+decode steps: the same tokens and the same logprobs, bit for bit, on tiny random Llama-family and Gemma 3 models
+quantized at load and on the bundled SmolLM2; and it is really taken on decode steps and refused where it cannot be
+exact."""
 import pytest
 import torch
 import transformers
@@ -20,6 +21,11 @@ VARIANTS = {
     "mistral-window": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=24), {}),
     "qwen2-bias-bf16-kv": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False),
                            dict(kv_cache_dtype="bfloat16")),
+    "qwen3-qknorm": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=64), {}),
+    # both layer kinds (sliding layers attend through their own group's tables), offset norms, GELU, QK norms
+    "gemma3-window": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+                      dict(head_dim=64, num_hidden_layers=3, sliding_window=24, query_pre_attn_scalar=64,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"]), {}),
 }
 # mixed lengths: rows of one decode step sit at different positions, some past a block and past the window
 PROMPTS = [[5, 17, 99, 3, 250, 11, 42], list(range(1, 40)), [7], list(range(100, 150))]
@@ -73,9 +79,6 @@ def test_tiny_models_same_bits_with_and_without_the_stack(tiny):
 
 
 def test_refused_where_it_cannot_be_exact(tmp_path):
-    qk_norm = tmp_path / "qwen3"
-    save_tiny(transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**{**BASE, "head_dim": 64}), qk_norm)
-    assert stack_of(LLM(str(qk_norm), quantization="int8", kv_cache_memory=8 << 20)).decode_stack is None
     dense = tmp_path / "llama"
     save_tiny(transformers.LlamaForCausalLM, transformers.LlamaConfig(**BASE), dense)
     assert stack_of(LLM(str(dense), kv_cache_memory=8 << 20)).decode_stack is None  # exact float32 weights
@@ -97,7 +100,7 @@ def test_bad_rows_are_refused_not_computed():
     llm = LLM(kv_cache_memory=16 << 20)
     stack = stack_of(llm).decode_stack
     caches = llm.engine.executor.runner.kv_caches
-    compiled = stack._compiled(caches)
+    compiled = stack._compiled(caches, None)
     slots = caches[0][0].shape[0]
     x = torch.zeros(1, 576)
     ok = dict(positions=torch.tensor([3]), slots=torch.tensor([3]), tables=torch.zeros(1, 1, dtype=torch.int64),
@@ -109,5 +112,7 @@ def test_bad_rows_are_refused_not_computed():
     for message, change in bad.items():
         args = {**ok, **change}
         with pytest.raises(RuntimeError, match=message):
-            compiled.forward(x, args["positions"], args["slots"], args["tables"], args["lens"], 16)
-    assert compiled.forward(x, ok["positions"], ok["slots"], ok["tables"], ok["lens"], 16).shape == (1, 576)
+            compiled.forward(x, args["positions"], [args["slots"]], [args["tables"]], [args["lens"]], 16)
+    assert compiled.forward(x, ok["positions"], [ok["slots"]], [ok["tables"]], [ok["lens"]], 16).shape == (1, 576)
+    with pytest.raises(RuntimeError, match="per group"):
+        compiled.forward(x, ok["positions"], [], [], [], 16)

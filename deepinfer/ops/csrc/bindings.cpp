@@ -17,7 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill", &paged_prefill, "paged attention of consecutive queries of one sequence", nogil);
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())  // one per ISA build in a process
       .def(py::init<std::vector<DecodeStack::Linear>, std::vector<torch::Tensor>, std::vector<double>,
-                    std::vector<int64_t>, std::vector<int64_t>, double, int64_t, torch::Tensor, torch::Tensor,
+                    std::vector<double>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
+                    std::vector<int64_t>, double, int64_t, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>>())
       .def("forward", &DecodeStack::forward, "decode rows through every layer and the final norm", nogil);
 }

@@ -7,7 +7,7 @@
 
 namespace {
 
-// Columns begin..end of this thread's share of `n` items (contiguous chunks, as at::parallel_for cuts them).
+// This thread's contiguous share of n items, as at::parallel_for cuts them.
 inline std::pair<int64_t, int64_t> share(int64_t n) {
   const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
   return {n * t / nt, n * (t + 1) / nt};
@@ -22,22 +22,49 @@ inline void add_bias(float* row, const c10::optional<torch::Tensor>& bias, int64
 }  // namespace
 
 DecodeStack::DecodeStack(std::vector<Linear> linears, std::vector<torch::Tensor> norms, std::vector<double> eps,
-                         std::vector<int64_t> windows, std::vector<int64_t> shape, double scale, int64_t act,
-                         torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
-                         std::vector<torch::Tensor> v_caches)
-    : linears_(std::move(linears)), norms_(std::move(norms)), eps_(std::move(eps)), windows_(std::move(windows)),
-      scale_(scale), act_(act), cos_(cos.contiguous()), sin_(sin.contiguous()), k_caches_(std::move(k_caches)),
-      v_caches_(std::move(v_caches)) {
-  const size_t layers = windows_.size();
-  TORCH_CHECK(layers > 0 && linears_.size() == 4 * layers && norms_.size() == 2 * layers + 1 &&
-              eps_.size() == norms_.size() && k_caches_.size() == layers && v_caches_.size() == layers &&
-              shape.size() == 3, "DecodeStack: per-layer arguments do not match");
+                         std::vector<double> offsets, std::vector<int64_t> norm_index, std::vector<int64_t> windows,
+                         std::vector<int64_t> groups, std::vector<int64_t> shape, double scale, int64_t act,
+                         std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
+                         std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches)
+    : linears_(std::move(linears)), eps_(std::move(eps)), norm_index_(std::move(norm_index)),
+      windows_(std::move(windows)), groups_(std::move(groups)), scale_(scale), act_(act), cos_(std::move(cos)),
+      sin_(std::move(sin)), k_caches_(std::move(k_caches)), v_caches_(std::move(v_caches)) {
+  const size_t L = windows_.size();
+  TORCH_CHECK(L > 0 && linears_.size() == 4 * L && norm_index_.size() == kNorms * L + 1 && groups_.size() == L &&
+              cos_.size() == L && sin_.size() == L && k_caches_.size() == L && v_caches_.size() == L &&
+              eps_.size() == norms.size() && offsets.size() == norms.size() && shape.size() == 3,
+              "DecodeStack: per-layer arguments do not match");
   heads_ = shape[0];
   kv_heads_ = shape[1];
   head_dim_ = shape[2];
-  const int64_t H = norms_[0].numel(), qs = heads_ * head_dim_, kvs = kv_heads_ * head_dim_;
-  TORCH_CHECK(cos_.scalar_type() == torch::kFloat32 && 2 * cos_.size(1) <= head_dim_ && sin_.sizes() == cos_.sizes(),
-              "DecodeStack: bad rotary tables");
+  for (size_t i = 0; i < norms.size(); ++i) {
+    auto w = norms[i].contiguous();
+    TORCH_CHECK(w.scalar_type() == torch::kFloat32, "DecodeStack: norm weights must be float32");
+    std::vector<float> wo(w.numel());
+    for (int64_t j = 0; j < w.numel(); ++j) wo[j] = w.data_ptr<float>()[j] + (float)offsets[i];
+    wo_.push_back(std::move(wo));
+  }
+  for (int64_t i : norm_index_) TORCH_CHECK(i >= -1 && i < (int64_t)wo_.size(), "DecodeStack: bad norm index");
+  TORCH_CHECK(norm_index_.back() >= 0, "DecodeStack: the final norm is required");
+  const int64_t H = (int64_t)wo_[norm_index_.back()].size(), qs = heads_ * head_dim_, kvs = kv_heads_ * head_dim_;
+  for (size_t l = 0; l < L; ++l) {
+    TORCH_CHECK(norm(l, kIn) && norm(l, kPreFfn), "DecodeStack: layer ", l, " needs its input and pre-FFN norms");
+    for (int n = 0; n < kNorms; ++n) {
+      const int64_t i = norm_index_[kNorms * l + n];
+      TORCH_CHECK(i < 0 || (int64_t)wo_[i].size() == (n == kQ || n == kK ? head_dim_ : H),
+                  "DecodeStack: layer ", l, " norm ", n, " has the wrong width");
+    }
+    TORCH_CHECK(std::get<6>(linears_[4 * l]) == qs + 2 * kvs && std::get<6>(linears_[4 * l + 1]) == H &&
+                std::get<6>(linears_[4 * l + 3]) == H, "DecodeStack: layer ", l, " shapes do not match");
+    TORCH_CHECK(cos_[l].scalar_type() == torch::kFloat32 && cos_[l].is_contiguous() && sin_[l].is_contiguous() &&
+                2 * cos_[l].size(1) <= head_dim_ && sin_[l].sizes() == cos_[l].sizes(), "DecodeStack: bad rotary tables");
+    const auto& kc = k_caches_[l];
+    const auto& vc = v_caches_[l];
+    TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == vc.scalar_type() &&
+                (kc.scalar_type() == torch::kFloat32 || kc.scalar_type() == torch::kBFloat16) && kc.dim() == 3 &&
+                kc.size(1) == kv_heads_ && kc.size(2) == head_dim_ && vc.sizes() == kc.sizes(),
+                "DecodeStack: KV caches must be float32 or bfloat16 [slots, kv_heads, head_dim]");
+  }
   for (size_t i = 0; i < linears_.size(); ++i) {
     const auto& w = linears_[i];
     const int64_t k = i % 4 == 0 || i % 4 == 2 ? H : i % 4 == 1 ? qs : std::get<6>(linears_[i - 1]) / 2;
@@ -47,59 +74,61 @@ DecodeStack::DecodeStack(std::vector<Linear> linears, std::vector<torch::Tensor>
     TORCH_CHECK(!b.has_value() || !b->defined() || (b->scalar_type() == torch::kFloat32 && b->is_contiguous()),
                 "DecodeStack: biases must be contiguous float32");
   }
-  for (size_t l = 0; l < layers; ++l) {
-    TORCH_CHECK(std::get<6>(linears_[4 * l]) == qs + 2 * kvs && std::get<6>(linears_[4 * l + 1]) == H &&
-                std::get<6>(linears_[4 * l + 3]) == H, "DecodeStack: layer ", l, " shapes do not match");
-    const auto& kc = k_caches_[l];
-    const auto& vc = v_caches_[l];
-    TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == vc.scalar_type() &&
-                (kc.scalar_type() == torch::kFloat32 || kc.scalar_type() == torch::kBFloat16) && kc.dim() == 3 &&
-                kc.size(1) == kv_heads_ && kc.size(2) == head_dim_ && vc.sizes() == kc.sizes(),
-                "DecodeStack: KV caches must be float32 or bfloat16 [slots, kv_heads, head_dim]");
-  }
-  for (auto& n : norms_) {
-    n = n.contiguous();
-    TORCH_CHECK(n.scalar_type() == torch::kFloat32 && n.numel() == H, "DecodeStack: norm weights");
-    std::vector<float> wo(H);
-    for (int64_t i = 0; i < H; ++i) wo[i] = n.data_ptr<float>()[i] + 0.f;
-    wo_.push_back(std::move(wo));
-  }
 }
 
-torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots,
-                                   torch::Tensor tables, torch::Tensor lens, int64_t block_size) const {
-  const int64_t H = norms_[0].numel();
+const float* DecodeStack::norm(size_t layer, Norm which) const {
+  const int64_t i = norm_index_[kNorms * layer + which];
+  return i < 0 ? nullptr : wo_[i].data();
+}
+
+float DecodeStack::eps(size_t layer, Norm which) const {
+  const int64_t i = norm_index_[kNorms * layer + which];
+  return i < 0 ? 0.f : (float)eps_[i];
+}
+
+torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> slots,
+                                   std::vector<torch::Tensor> tables, std::vector<torch::Tensor> lens,
+                                   int64_t block_size) const {
+  const size_t L = windows_.size(), G = slots.size();
+  const int64_t final_norm = norm_index_.back(), H = (int64_t)wo_[final_norm].size();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) == H, "DecodeStack: x must be float32 [T, ", H, "]");
+  TORCH_CHECK(G > 0 && tables.size() == G && lens.size() == G && block_size > 0, "DecodeStack: one slot mapping, "
+              "table and length tensor per group");
   x = x.contiguous();
   positions = positions.contiguous().to(torch::kInt64);
-  slots = slots.contiguous().to(torch::kInt64);
-  tables = tables.contiguous().to(torch::kInt64);
-  lens = lens.contiguous().to(torch::kInt64);
   const int64_t T = x.size(0), qs = heads_ * head_dim_, kvs = kv_heads_ * head_dim_, D = head_dim_;
-  TORCH_CHECK(positions.numel() == T && slots.numel() == T && lens.numel() == T && tables.dim() == 2 &&
-              tables.size(0) == T && block_size > 0, "DecodeStack: one position, slot, length and table per row");
-  // Everything the region reads is checked here: nothing inside it may throw.
+  TORCH_CHECK(positions.numel() == T, "DecodeStack: one position per row");
   const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  const int64_t* ln = lens.data_ptr<int64_t>();
-  const int64_t* tb = tables.data_ptr<int64_t>();
-  const int64_t width = tables.size(1), num_slots = k_caches_[0].size(0);
-  for (const auto& c : k_caches_) TORCH_CHECK(c.size(0) == num_slots, "DecodeStack: caches differ in size");
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_.size(0), "DecodeStack: position out of range");
-    TORCH_CHECK(sl[t] >= 0 && sl[t] < num_slots, "DecodeStack: slot out of range");
-    TORCH_CHECK(ln[t] >= 1 && ln[t] <= width * block_size, "DecodeStack: context length out of range");
-    for (int64_t b = 0; b < (ln[t] + block_size - 1) / block_size; ++b)
-      TORCH_CHECK(tb[t * width + b] >= 0 && (tb[t * width + b] + 1) * block_size <= num_slots,
-                  "DecodeStack: block out of range");
+  std::vector<int64_t> num_slots(G, INT64_MAX);
+  for (size_t l = 0; l < L; ++l) {
+    TORCH_CHECK(groups_[l] >= 0 && groups_[l] < (int64_t)G, "DecodeStack: layer ", l, " has no group tables");
+    num_slots[groups_[l]] = std::min(num_slots[groups_[l]], k_caches_[l].size(0));
+    for (int64_t t = 0; t < T; ++t)
+      TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_[l].size(0), "DecodeStack: position out of range");
   }
-  const size_t L = windows_.size();
+  // Everything the region reads is checked here: nothing inside it may throw.
+  for (size_t g = 0; g < G; ++g) {
+    slots[g] = slots[g].contiguous().to(torch::kInt64);
+    tables[g] = tables[g].contiguous().to(torch::kInt64);
+    lens[g] = lens[g].contiguous().to(torch::kInt64);
+    TORCH_CHECK(slots[g].numel() == T && lens[g].numel() == T && tables[g].dim() == 2 && tables[g].size(0) == T,
+                "DecodeStack: one slot, length and table per row");
+    const int64_t *sl = slots[g].data_ptr<int64_t>(), *ln = lens[g].data_ptr<int64_t>();
+    const int64_t *tb = tables[g].data_ptr<int64_t>(), width = tables[g].size(1), S = num_slots[g];
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "DecodeStack: slot out of range");
+      TORCH_CHECK(ln[t] >= 1 && ln[t] <= width * block_size, "DecodeStack: context length out of range");
+      for (int64_t b = 0; b < (ln[t] + block_size - 1) / block_size; ++b)
+        TORCH_CHECK(tb[t * width + b] >= 0 && (tb[t * width + b] + 1) * block_size <= S,
+                    "DecodeStack: block out of range");
+    }
+  }
   const int64_t ld_qkv = views_[0].nb * 16, ld_o = views_[1].nb * 16, ld_gu = views_[2].nb * 16;
   const int64_t ld_dn = views_[3].nb * 16, I = std::get<6>(linears_[2]) / 2;
   const int64_t kmax = std::max({H, qs, I});
   auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
   auto res = x.clone();
-  auto h = torch::empty({T, H}, f32);
+  auto h = torch::empty({T, H}, f32), tmp = torch::empty({T, H}, f32);
   auto qkv = torch::empty({T, ld_qkv}, f32), qc = torch::empty({T, qs}, f32), att = torch::empty({T, qs}, f32);
   auto o = torch::empty({T, ld_o}, f32), gu = torch::empty({T, ld_gu}, f32), a = torch::empty({T, I}, f32);
   auto dn = torch::empty({T, ld_dn}, f32);
@@ -110,16 +139,17 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, tor
   std::vector<DecodeAttention> plans;
   int64_t scratch = 0;
   for (size_t l = 0; l < L; ++l) {
-    plans.push_back(decode_attention(qc.data_ptr<float>(), k_caches_[l], v_caches_[l], T, heads_, tb, width, ln,
+    const auto g = groups_[l];
+    plans.push_back(decode_attention(qc.data_ptr<float>(), k_caches_[l], v_caches_[l], T, heads_,
+                                     tables[g].data_ptr<int64_t>(), tables[g].size(1), lens[g].data_ptr<int64_t>(),
                                      block_size, scale_, windows_[l], att.data_ptr<float>(), threads));
     scratch = std::max(scratch, decode_scratch(plans.back()));
   }
   std::vector<float> scratch_all(scratch * threads);
-  float *rp = res.data_ptr<float>(), *hp = h.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
-  float *qcp = qc.data_ptr<float>(), *attp = att.data_ptr<float>(), *op = o.data_ptr<float>();
-  float *gup = gu.data_ptr<float>(), *ap = a.data_ptr<float>(), *dnp = dn.data_ptr<float>();
-  const float *xp = x.data_ptr<float>(), *cp = cos_.data_ptr<float>(), *sp = sin_.data_ptr<float>();
-  const int64_t half = cos_.size(1);
+  float *rp = res.data_ptr<float>(), *hp = h.data_ptr<float>(), *tp = tmp.data_ptr<float>();
+  float *qkvp = qkv.data_ptr<float>(), *qcp = qc.data_ptr<float>(), *attp = att.data_ptr<float>();
+  float *op = o.data_ptr<float>(), *gup = gu.data_ptr<float>(), *ap = a.data_ptr<float>(), *dnp = dn.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
   int8_t* xqp = xq.data();
   float* xdp = xd.data();
   int32_t* xsp = xs.data();
@@ -130,13 +160,21 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, tor
     const auto [b0, b1] = share(views_[i].nb);
     quant_blocks(views_[i], xqp, xdp, xsp, T, out, ld, b0, b1);
   };
-  // res += src (+ bias) row by row, h = norm(res), h rounded for the next linear layer unless it is the output.
-  // An orphaned worksharing loop: called inside the region below, its rows are shared by the region's threads.
-  auto residual_norm = [&](float* src, int64_t ld, size_t lin, size_t norm, bool quantize_after) {
+  // src (+ bias), normed by `post` if the layer has that norm, is added to res; h = next(res), rounded for the
+  // next linear layer unless it is the output. An orphaned worksharing loop: its rows are shared by the threads of
+  // the region it is called in.
+  auto residual_norm = [&](float* src, int64_t ld, size_t lin, size_t l, Norm post, const float* next,
+                           float next_eps, bool quantize_after) {
+    const float* wp = norm(l, post);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
-      add_bias(src + t * ld, std::get<7>(linears_[lin]), H);
-      rms_norm_row(src + t * ld, rp + t * H, wo_[norm].data(), H, (float)eps_[norm], hp + t * H);
+      float* row = src + t * ld;
+      add_bias(row, std::get<7>(linears_[lin]), H);
+      if (wp != nullptr) {
+        rms_norm_row(row, nullptr, wp, H, eps(l, post), tp + t * H);
+        row = tp + t * H;
+      }
+      rms_norm_row(row, rp + t * H, next, H, next_eps, hp + t * H);
       if (quantize_after) quantize(hp + t * H, t, H);
     }
   };
@@ -146,17 +184,25 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, tor
     float* my_scratch = scratch_all.data() + scratch * omp_get_thread_num();
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
-      rms_norm_row(xp + t * H, nullptr, wo_[0].data(), H, (float)eps_[0], hp + t * H);
+      rms_norm_row(xp + t * H, nullptr, norm(0, kIn), H, eps(0, kIn), hp + t * H);
       quantize(hp + t * H, t, H);
     }
     for (size_t l = 0; l < L; ++l) {
       const size_t w = 4 * l;
+      const auto g = groups_[l];
+      const int64_t* sl = slots[g].data_ptr<int64_t>();
+      const float *cp = cos_[l].data_ptr<float>(), *sp = sin_[l].data_ptr<float>(), *qn = norm(l, kQ), *kn = norm(l, kK);
+      const int64_t half = cos_[l].size(1);
       blocks(w, qkvp, ld_qkv);
 #pragma omp barrier
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t) {
         float* r = qkvp + t * ld_qkv;
         add_bias(r, std::get<7>(linears_[w]), qs + 2 * kvs);
+        if (qn != nullptr)
+          for (int64_t i = 0; i < heads_; ++i) rms_norm_row(r + i * D, nullptr, qn, D, eps(l, kQ), r + i * D);
+        if (kn != nullptr)
+          for (int64_t i = 0; i < kv_heads_; ++i) rms_norm_row(r + qs + i * D, nullptr, kn, D, eps(l, kK), r + qs + i * D);
         rotary_row(r, heads_, D, cp + pos[t] * half, sp + pos[t] * half, half);
         rotary_row(r + qs, kv_heads_, D, cp + pos[t] * half, sp + pos[t] * half, half);
         cache_row(r + qs, r + qs + kvs, k_caches_[l].data_ptr(), v_caches_[l].data_ptr(), plans[l].bf16, sl[t],
@@ -170,19 +216,21 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, tor
       for (int64_t t = 0; t < T; ++t) quantize(attp + t * qs, t, qs);
       blocks(w + 1, op, ld_o);
 #pragma omp barrier
-      residual_norm(op, ld_o, w + 1, 2 * l + 1, true);
+      residual_norm(op, ld_o, w + 1, l, kPostAttn, norm(l, kPreFfn), eps(l, kPreFfn), true);
       blocks(w + 2, gup, ld_gu);
 #pragma omp barrier
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t) {
-        float* g = gup + t * ld_gu;
-        add_bias(g, std::get<7>(linears_[w + 2]), 2 * I);
-        act_row(g, g + I, ap + t * I, I, act_);
+        float* r = gup + t * ld_gu;
+        add_bias(r, std::get<7>(linears_[w + 2]), 2 * I);
+        act_row(r, r + I, ap + t * I, I, act_);
         quantize(ap + t * I, t, I);
       }
       blocks(w + 3, dnp, ld_dn);
 #pragma omp barrier
-      residual_norm(dnp, ld_dn, w + 3, 2 * l + 2, l + 1 < L);
+      const bool last = l + 1 == L;
+      residual_norm(dnp, ld_dn, w + 3, l, kPostFfn, last ? wo_[final_norm].data() : norm(l + 1, kIn),
+                    last ? (float)eps_[final_norm] : eps(l + 1, kIn), !last);
     }
   }
   return h;

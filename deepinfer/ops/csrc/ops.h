@@ -23,36 +23,45 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
                             int64_t first_position, int64_t block_size, double scale, int64_t window);
 
-// A Llama-family decoder stack computing decode rows (one token per sequence) in one call: per layer
-//   h = norm1(res); qkv = Wqkv h; rotary(q, k); cache <- k, v; a = attention; res += Wo a; h = norm2(res);
-//   res += Wdown act(Wgate h) * (Wup h); and the next layer's norm1 (the final norm after the last),
-// each step the row or block code of the op the module path calls, in the same order: the same bits, in one
-// parallel region (barriers between phases instead of a thread fork per op) and without Python between.
+// A decoder stack computing decode rows (one query token each) in one call. Per layer, with the norms a layer has
+// (Llama: input and pre-FFN; Gemma 3: all six):
+//   h = norm_in(res); qkv = Wqkv h (+ b); q, k = norm_q(q), norm_k(k) per head; rotary(q, k); cache <- k, v;
+//   a = attention (the layer's group's tables, its window); o = Wo a; o = norm_post_attn(o);
+//   res += o; h = norm_pre_ffn(res); m = Wdown act(Wgate h) * (Wup h); m = norm_post_ffn(m); res += m;
+// and the next layer's norm_in (the final norm after the last), each step the row or block code of the op the
+// module path calls, in the same order: the same bits, in one parallel region (barriers between phases instead of
+// a thread fork per op) and without Python between.
 class DecodeStack {
  public:
   // one quantized linear layer: quants, scales, offsets, bits, group, c, n, bias
   using Linear = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, double, int64_t,
                             c10::optional<torch::Tensor>>;
-  // linears: 4 per layer (qkv, o, gate_up, down); norms / eps: 2 per layer and the final norm; windows: per layer
-  // (-1: none); shape: num_heads, num_kv_heads, head_dim; act: 0 SiLU, 1 GELU (tanh); caches: per layer.
+  enum Norm { kIn, kPostAttn, kPreFfn, kPostFfn, kQ, kK, kNorms };
+  // linears: 4 per layer (qkv, o, gate_up, down); norms, eps, offsets: every norm weight once; norm_index: kNorms
+  // per layer (an index into norms, or -1: the layer has no such norm) and the final norm's; windows, groups
+  // (which tables the layer attends through), cos, sin, caches: per layer; shape: num_heads, num_kv_heads,
+  // head_dim; act: 0 SiLU, 1 GELU (tanh).
   DecodeStack(std::vector<Linear> linears, std::vector<torch::Tensor> norms, std::vector<double> eps,
-              std::vector<int64_t> windows, std::vector<int64_t> shape, double scale, int64_t act,
-              torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> k_caches,
+              std::vector<double> offsets, std::vector<int64_t> norm_index, std::vector<int64_t> windows,
+              std::vector<int64_t> groups, std::vector<int64_t> shape, double scale, int64_t act,
+              std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin, std::vector<torch::Tensor> k_caches,
               std::vector<torch::Tensor> v_caches);
-  // x [T, H] the embedded tokens -> [T, H] the final norm of the last layer's output.
-  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slots, torch::Tensor tables,
-                        torch::Tensor lens, int64_t block_size) const;
+  // x [T, H] the embedded tokens -> [T, H] the final norm of the last layer's output; slots, tables, lens: per
+  // group of layers.
+  torch::Tensor forward(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> slots,
+                        std::vector<torch::Tensor> tables, std::vector<torch::Tensor> lens, int64_t block_size) const;
 
  private:
+  const float* norm(size_t layer, Norm which) const;  // w + offset, or nullptr
+  float eps(size_t layer, Norm which) const;
+
   std::vector<Linear> linears_;
   std::vector<QuantView> views_;  // of linears_ (which keep the tensors alive)
-  std::vector<std::vector<float>> wo_;  // norm weights (+ offset 0, as rms_norm adds it)
-  std::vector<torch::Tensor> norms_;
+  std::vector<std::vector<float>> wo_;  // norm weights + offset, as rms_norm adds it
   std::vector<double> eps_;
-  std::vector<int64_t> windows_;
+  std::vector<int64_t> norm_index_, windows_, groups_;
   int64_t heads_, kv_heads_, head_dim_;
   double scale_;
   int64_t act_;
-  torch::Tensor cos_, sin_;
-  std::vector<torch::Tensor> k_caches_, v_caches_;
+  std::vector<torch::Tensor> cos_, sin_, k_caches_, v_caches_;
 };
