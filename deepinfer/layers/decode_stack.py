@@ -1,4 +1,4 @@
-"""The decode fast path of a Llama-family model on quantized weights: every decoder layer of a decode-only step
+"""The decode fast path of a Llama-family or Gemma 3 model on quantized weights: every decoder layer of a decode-only step
 (decode rows: one token per sequence, or a token and its drafts, each a row of its own) in one call to the
 compiled ops (csrc/decode_stack.cpp). It runs the row and block code the module path runs, in the same order, so a
 row gets the same bits either way; what it removes is Python between the ops and a thread fork per op (about two
@@ -34,8 +34,7 @@ class DecodeStack:
     pre_ffn, gate_up, act, down, post_ffn (optional); and the final norm. The compiled stack is made on the first
     step that uses it, and again whenever the KV cache tensors change."""
 
-    def __init__(self, ops: ModuleType, layers: list[dict[str, Any]], final_norm: nn.Module,
-                 shape: tuple[int, int, int]) -> None:
+    def __init__(self, ops: ModuleType, layers: list[dict[str, Any]], final_norm: nn.Module) -> None:
         self.ops = ops
         attns = [layer["attn"] for layer in layers]
         if len({a.scale for a in attns}) != 1 or len({layer["act"].act for layer in layers}) != 1:
@@ -43,17 +42,18 @@ class DecodeStack:
         self.cache_index = [a.cache_index for a in attns]
         self.windows = [a.sliding_window or -1 for a in attns]
         self.linears = [_linear_args(layer[name]) for layer in layers for name in ("qkv", "o", "gate_up", "down")]
-        modules: list[nn.Module] = []
-        index = []
-        for norm in [layer.get(name) for layer in layers for name in NORMS] + [final_norm]:
-            if norm is not None and all(norm is not m for m in modules):
+        roles = [layer.get(name) for layer in layers for name in NORMS] + [final_norm]  # None: no such norm
+        position: dict[int, int] = {}  # each norm module once, by identity, in order of first use
+        modules = []
+        for norm in roles:
+            if norm is not None and id(norm) not in position:
+                position[id(norm)] = len(modules)
                 modules.append(norm)
-            index.append(-1 if norm is None else next(i for i, m in enumerate(modules) if m is norm))
-        self.norm_index = index
+        self.norm_index = [-1 if norm is None else position[id(norm)] for norm in roles]
         self.norms = [m.weight.detach() for m in modules]
         self.eps = [float(m.eps) for m in modules]
         self.offsets = [float(m.offset) for m in modules]
-        self.shape, self.scale, self.act = list(shape), float(attns[0].scale), ACTS[layers[0]["act"].act]
+        self.shape, self.scale, self.act = list(layers[0]["shape"]), float(attns[0].scale), ACTS[layers[0]["act"].act]
         self.cos = [layer["rotary"].cos for layer in layers]
         self.sin = [layer["rotary"].sin for layer in layers]
         self._caches: list | None = None

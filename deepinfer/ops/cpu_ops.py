@@ -1,5 +1,6 @@
 """deepinfer's compiled CPU ops, one extension module built from csrc/ (quantized-weight linear layers, the fused
-per-layer glue, paged attention, the decode stack that runs them all without returning to Python): g++ -O3 for this machine's instruction set through torch's cpp_extension, cached by torch.
+per-layer glue, paged attention, the decode stack that runs them all without returning to Python): g++ -O3 for
+this machine's instruction set through torch's cpp_extension, cached by torch.
 
 `load()` builds for the CPU it runs on (-march=native: AVX-512 VNNI, AVX2 with or without AVX-VNNI, or portable
 C++, chosen by what the CPU has); `load(isa)` forces a lower target, which tests use to check every path here.

@@ -40,7 +40,7 @@ def enable_fused_ops(model: nn.Module, ops: ModuleType, exact_only: bool = False
             if isinstance(module, (LlamaModel, Gemma3Model)):
                 layers = [_parts(layer) for layer in module.layers]
                 why = _stack_blocker(layers, module.norm)
-                module.decode_stack = None if why else DecodeStack(ops, layers, module.norm, layers[0]["shape"])
+                module.decode_stack = None if why else DecodeStack(ops, layers, module.norm)
                 logger.info("decode stack (decode steps' layers in one compiled call): %s", why or "on")
     return changed
 
@@ -77,6 +77,6 @@ def _stack_blocker(layers: list[dict[str, Any] | None], final_norm: nn.Module) -
             return "off (norm or activation not on the fused ops)"
         if parts["attn"].head_dim not in (64, 128, 256):
             return "off (head dim)"
-    if len({parts["attn"].scale for parts in layers}) != 1:
-        return "off (layers differ in attention scale)"
+    if len({parts["attn"].scale for parts in layers}) != 1 or len({parts["act"].act for parts in layers}) != 1:
+        return "off (layers differ in attention scale or activation)"
     return None

@@ -58,6 +58,7 @@ DecodeStack::DecodeStack(std::vector<Linear> linears, std::vector<torch::Tensor>
                 std::get<6>(linears_[4 * l + 3]) == H, "DecodeStack: layer ", l, " shapes do not match");
     TORCH_CHECK(cos_[l].scalar_type() == torch::kFloat32 && cos_[l].is_contiguous() && sin_[l].is_contiguous() &&
                 2 * cos_[l].size(1) <= head_dim_ && sin_[l].sizes() == cos_[l].sizes(), "DecodeStack: bad rotary tables");
+    max_positions_ = l == 0 ? cos_[l].size(0) : std::min(max_positions_, cos_[l].size(0));
     const auto& kc = k_caches_[l];
     const auto& vc = v_caches_[l];
     TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == vc.scalar_type() &&
@@ -99,12 +100,12 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
   const int64_t T = x.size(0), qs = heads_ * head_dim_, kvs = kv_heads_ * head_dim_, D = head_dim_;
   TORCH_CHECK(positions.numel() == T, "DecodeStack: one position per row");
   const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_positions_, "DecodeStack: position out of range");
   std::vector<int64_t> num_slots(G, INT64_MAX);
   for (size_t l = 0; l < L; ++l) {
     TORCH_CHECK(groups_[l] >= 0 && groups_[l] < (int64_t)G, "DecodeStack: layer ", l, " has no group tables");
     num_slots[groups_[l]] = std::min(num_slots[groups_[l]], k_caches_[l].size(0));
-    for (int64_t t = 0; t < T; ++t)
-      TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_[l].size(0), "DecodeStack: position out of range");
   }
   // Everything the region reads is checked here: nothing inside it may throw.
   for (size_t g = 0; g < G; ++g) {

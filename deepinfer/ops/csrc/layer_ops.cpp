@@ -167,7 +167,8 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::T
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary_: position out of range");
   auto apply = [&](float* base, int64_t heads, int64_t stride) {
     at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) rotary_row(base + t * stride, heads, D, cp + pos[t] * half, sp + pos[t] * half, half);
+      for (int64_t t = begin; t < end; ++t)
+        rotary_row(base + t * stride, heads, D, cp + pos[t] * half, sp + pos[t] * half, half);
     });
   };
   apply(q.data_ptr<float>(), q.size(1), q.stride(0));

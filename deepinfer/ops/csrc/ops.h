@@ -1,5 +1,5 @@
-// The compiled CPU ops of one extension module (ops/cpu_ops.py builds it): declared once here for the bindings
-// and for decode_stack.cpp, which calls them in sequence without returning to Python.
+// The compiled CPU ops of one extension module (ops/cpu_ops.py builds it), as the bindings expose them; the
+// row- and block-level pieces they share with the decode stack are in kernels.h.
 #pragma once
 #include <torch/extension.h>
 
@@ -61,6 +61,7 @@ class DecodeStack {
   std::vector<double> eps_;
   std::vector<int64_t> norm_index_, windows_, groups_;
   int64_t heads_, kv_heads_, head_dim_;
+  int64_t max_positions_;  // rows of the smallest rotary table
   double scale_;
   int64_t act_;
   std::vector<torch::Tensor> cos_, sin_, k_caches_, v_caches_;
