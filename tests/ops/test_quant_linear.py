@@ -106,7 +106,7 @@ def test_a_row_alone_equals_the_row_in_any_batch_and_thread_count(kernels, qtype
         alone = torch.cat([ql.linear(kernels, batch[i : i + 1], packed) for i in range(batch.shape[0])])
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            for m in (2, 5, 8, 9, 16, 37):  # every tile shape and remainder
+            for m in (2, 3, 4, 5, 6, 7, 8, 9, 14, 16, 37):  # every tile shape and remainder
                 for start in (0, 37 - m):
                     got = ql.linear(kernels, batch[start : start + m], packed)
                     assert torch.equal(got, alone[start : start + m]), (threads, m, start)

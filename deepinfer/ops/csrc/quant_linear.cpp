@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels.h"
 #if defined(__AVX2__)
@@ -280,26 +281,28 @@ void blocks(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, cons
     const ST* sr = s + b * ng * 16;
     const ST* orr = AFF ? o + b * ng * 16 : nullptr;
     int64_t m = 0;
-    // Tiles of kMaxTile rows, then halving tiles for the rest: every row runs the same per-row sequence.
+    // Tiles of kMaxTile rows, then one tile of the rest (one pass over the weight block per tile): every row runs
+    // the same per-row sequence whatever tile it falls in.
     for (; m + kMaxTile <= M; m += kMaxTile)
       tile<kMaxTile, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16), K,
                                        out + m * ldo + 16 * b, ldo);
-#if defined(DI_AVX512)
-    if (m + 4 <= M) {
-      tile<4, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16), K,
-                                out + m * ldo + 16 * b, ldo);
-      m += 4;
-    }
-#endif
 #if defined(DI_AVX512) || defined(DI_AVX2)
-    if (m + 2 <= M) {
-      tile<2, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16), K,
-                                out + m * ldo + 16 * b, ldo);
-      m += 2;
+    auto rest = [&](auto rows) {
+      tile<decltype(rows)::value, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32),
+                                                    xs + m * (K / 16), K, out + m * ldo + 16 * b, ldo);
+    };
+    switch (M - m) {
+#if defined(DI_AVX512)
+      case 7: rest(std::integral_constant<int, 7>{}); break;
+      case 6: rest(std::integral_constant<int, 6>{}); break;
+      case 5: rest(std::integral_constant<int, 5>{}); break;
+      case 4: rest(std::integral_constant<int, 4>{}); break;
+#endif
+      case 3: rest(std::integral_constant<int, 3>{}); break;
+      case 2: rest(std::integral_constant<int, 2>{}); break;
+      case 1: rest(std::integral_constant<int, 1>{}); break;
+      default: break;
     }
-    if (m < M)
-      tile<1, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16), K,
-                                out + m * ldo + 16 * b, ldo);
 #endif
   }
 }
