@@ -4,6 +4,11 @@ sizes; llama.cpp's own n-gram speculation (llama-server --spec-type ngram-simple
 
 Greedy, EOS ignored, the same token ids for every mode: speculation is lossless, so every mode generates the same
 tokens and only the time differs. Reports output tokens/s, speedup over off, acceptance per draft position.
+Batch B > 1 is B concurrent sequences in steady state: --waves x B requests through B slots (max_num_seqs = B), a
+finished sequence's slot refilled at once, as a server under load runs; --waves 1 is one closed batch, whose wall
+time is its slowest sequence's (speculation that speeds only the others then shows as cost alone). The modes run
+in one process, taking turns for --rounds rounds (the machine drifts 5-10% between runs); each figure is the median
+round.
 
     python benchmarks/spec_decode.py                                  # batch 1, 8, 32; off / ngram / mtp
     python benchmarks/spec_decode.py --llama-bin ~/llama.cpp/build/bin --batch-sizes 1
@@ -46,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--modes", default="off,ngram,mtp")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    parser.add_argument("--waves", type=int, default=4, help="batch B > 1: waves x B requests through B slots")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, the modes taking turns; the median is kept")
     parser.add_argument("--ngram-min", type=int, default=None, help="shortest suffix an n-gram draft matches")
     parser.add_argument("--ngram-max", type=int, default=None, help="longest suffix an n-gram draft matches")
     parser.add_argument("--draft", default=None, help="MTP head directory (default: the train-mtp cache dir)")
@@ -66,19 +73,20 @@ def workloads(tokenizer) -> dict[str, list[list[int]]]:
     return {"repetitive": [chat(t) for t in REPETITIVE], "chat": [chat(t) for t in CHAT]}
 
 
-def run_deepinfer(llm, prompts: list[list[int]], batch: int, max_tokens: int) -> dict[str, Any]:
+def run_deepinfer(llm, prompts: list[list[int]], batch: int, max_tokens: int, waves: int = 1) -> dict[str, Any]:
     from deepinfer import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     stats0 = llm.engine.stats().spec_decode
-    requests = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)) if batch > 1 else len(prompts))]
+    count = max(batch * waves, len(prompts)) if batch > 1 else len(prompts)
+    requests = [prompts[i % len(prompts)] for i in range(count)]
     start = time.perf_counter()
     tokens = []
     if batch == 1:
         for p in requests:
             tokens += [list(o.outputs[0].token_ids) for o in llm.generate([p], params, use_tqdm=False)]
     else:
-        tokens = [list(o.outputs[0].token_ids) for o in llm.generate(requests[:batch], params, use_tqdm=False)]
+        tokens = [list(o.outputs[0].token_ids) for o in llm.generate(requests, params, use_tqdm=False)]
     wall = time.perf_counter() - start
     row = {"output_tokens": sum(map(len, tokens)), "wall_s": wall, "tok_s": sum(map(len, tokens)) / wall,
            "tokens": tokens}
@@ -143,25 +151,32 @@ def main(argv=None) -> None:
                "mtp": {"speculative_method": "mtp", "num_speculative_tokens": args.k, "draft": draft}}
     results: list[dict[str, Any]] = []
     reference: dict[tuple[str, int], list] = {}
-    for mode in args.modes:
-        if mode == "mtp" and not os.path.isdir(draft):
-            print(f"mtp: skipped (no head at {draft}; run deepinfer train-mtp)")
-            continue
-        llm = LLM(args.model, num_threads=args.threads, max_num_seqs=max(args.batch_sizes), **options[mode])
-        loads = workloads(llm.get_tokenizer())
-        run_deepinfer(llm, loads["chat"][:1], 1, 8)  # warm-up
+    modes = [m for m in args.modes if m != "mtp" or os.path.isdir(draft)]
+    if len(modes) < len(args.modes):
+        print(f"mtp: skipped (no head at {draft}; run deepinfer train-mtp)")
+    for batch in args.batch_sizes:  # engines per batch size (max_num_seqs = B slots), the modes taking turns
+        engines = {mode: LLM(args.model, num_threads=args.threads, max_num_seqs=batch, **options[mode])
+                   for mode in modes}
+        loads = workloads(next(iter(engines.values())).get_tokenizer())
+        for llm in engines.values():
+            run_deepinfer(llm, loads["chat"][:1], 1, 8)  # warm-up
         for name, prompts in loads.items():
-            for batch in args.batch_sizes:
-                row = run_deepinfer(llm, prompts, batch, args.max_tokens)
-                key = (name, batch)
+            runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+            for _ in range(args.rounds):
+                for mode, llm in engines.items():
+                    runs[mode].append(run_deepinfer(llm, prompts, batch, args.max_tokens, args.waves))
+            for mode in modes:
+                row = dict(sorted(runs[mode], key=lambda r: r["tok_s"])[len(runs[mode]) // 2])  # the median round
+                row["tok_s_rounds"] = [r["tok_s"] for r in runs[mode]]
                 tokens = row.pop("tokens")
+                key = (name, batch)
                 if mode == "off":
                     reference[key] = tokens
                 row.update(engine="deepinfer", mode=mode, workload=name, batch=batch,
                            same_tokens_as_off=tokens == reference.get(key) if key in reference else None)
                 results.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "acceptance_per_position"}), flush=True)
-        del llm
+        del engines
     if args.llama_bin:
         loads = workloads(LLM(args.model, kv_cache_memory=16 << 20).get_tokenizer())
         for spec in ("none", "ngram-simple"):

@@ -19,7 +19,9 @@ from deepinfer.sample.sampler import Sampler, SamplingRow, has_penalties
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.worker.inputs import RequestRows, build_inputs
 from deepinfer.worker.mtp import mtp_drafts
-from deepinfer.worker.speculative import DraftState, draft_length, propose, record_acceptance, verify
+from deepinfer.sample.rejection import verify_greedy
+from deepinfer.worker.speculative import (DraftState, check_shadow, draft_rows, plan_draft_lengths, propose,
+                                          record_acceptance, verify)
 
 if TYPE_CHECKING:
     from deepinfer.disagg.transfer import HandoffPuller
@@ -97,6 +99,13 @@ def _lap(result: StepResult, phase: str, since: float) -> float:
     now = time.perf_counter()
     result.timings[phase] = result.timings.get(phase, 0.0) + now - since
     return now
+
+
+def _position_masks(masks: torch.Tensor | list | None) -> list:
+    """A request's grammar masks, one per row (a single mask: its one row)."""
+    if masks is None:
+        return []
+    return masks if isinstance(masks, list) else [masks]
 
 
 class ModelRunner:
@@ -214,35 +223,55 @@ class ModelRunner:
                                                                            state.params.prompt_logprobs)
 
     def _sample(self, sampling: list[RequestRows], logits: torch.Tensor, masks: dict, result: StepResult) -> None:
-        """Plain rows through the sampler in one call; requests with drafts through verification."""
-        plain = [i for i, r in enumerate(sampling) if not r.drafts]
+        """Plain rows and greedy requests' draft rows through the sampler in one call (a greedy request accepts its
+        drafts while they equal the argmax); other requests with drafts through verification."""
         offsets = np.cumsum([0] + [1 + len(r.drafts) for r in sampling])
-        if plain:
-            rows = [self._requests[sampling[i].request_id].sampling_row(masks.get(sampling[i].request_id))
-                    for i in plain]
-            if len(plain) == logits.shape[0]:  # every row, in order (no drafts): no copy of the logits
+        batched, rows = [], []
+        for i, r in enumerate(sampling):
+            state = self._requests[r.request_id]
+            if not r.drafts:
+                rows.append(state.sampling_row(masks.get(r.request_id)))
+            elif state.params.greedy and state.params.logprobs is None:
+                rows += draft_rows(state.sampling_row(None), r.drafts, _position_masks(masks.get(r.request_id)))
+            else:
+                continue
+            batched.append(i)
+        if batched:
+            if len(rows) == logits.shape[0]:  # every row, in order: no copy of the logits
                 out = self.sampler(logits, rows)
             else:
-                out = self.sampler(logits[torch.tensor([int(offsets[i]) for i in plain], device=logits.device)], rows)
-            for i, token, lp in zip(plain, out.token_ids, out.logprobs):
-                self._emit(sampling[i].request_id, [token], [lp], result)
+                index = [int(offsets[i]) + j for i in batched for j in range(1 + len(sampling[i].drafts))]
+                out = self.sampler(logits[torch.tensor(index, device=logits.device)], rows)
+            at = 0
+            for i in batched:
+                r, n = sampling[i], 1 + len(sampling[i].drafts)
+                drafting = self._requests[r.request_id].drafting
+                if r.drafts:
+                    tokens = verify_greedy(out.token_ids[at : at + n], r.drafts)
+                    record_acceptance(drafting, len(r.drafts), len(tokens) - 1)
+                    self._emit(r.request_id, tokens, [None] * len(tokens), result)
+                else:
+                    if self.spec is not None:
+                        check_shadow(drafting, out.token_ids[at])
+                    self._emit(r.request_id, [out.token_ids[at]], [out.logprobs[at]], result)
+                at += n
+        done = set(batched)
         for i, r in enumerate(sampling):
-            if not r.drafts:
+            if i in done:
                 continue
             state = self._requests[r.request_id]
-            request_masks = masks.get(r.request_id)
-            if request_masks is not None and not isinstance(request_masks, list):
-                request_masks = [request_masks]
             tokens, lps = verify(self.sampler, logits[int(offsets[i]) : int(offsets[i + 1])],
-                                 state.sampling_row(None), r.drafts, request_masks or [])
+                                 state.sampling_row(None), r.drafts, _position_masks(masks.get(r.request_id)))
             record_acceptance(state.drafting, len(r.drafts), len(tokens) - 1)
             self._emit(r.request_id, tokens, lps, result)
 
     def _propose(self, requests: list[RequestRows], hidden: torch.Tensor, result: StepResult) -> None:
         """The next step's drafts for every request that sampled (MTP also caches its KV for every computed row)."""
         sampling = [r for r in requests if r.samples]
-        lengths = {r.request_id: draft_length(self.spec, self.varlen, self._requests[r.request_id].drafting,
-                                              len(sampling)) for r in sampling}
+        ngram = self.spec.speculative_method == "ngram"
+        planned = plan_draft_lengths(self.spec, self.varlen, [self._requests[r.request_id].drafting for r in sampling],
+                                     shadow_probes=ngram)
+        lengths = {r.request_id: n for r, n in zip(sampling, planned)}
         if self.spec.speculative_method == "mtp":
             drafts = mtp_drafts(self.model, self.model.mtp, requests, hidden,
                                 {r.request_id: self._requests[r.request_id].token_ids for r in requests},
@@ -253,6 +282,11 @@ class ModelRunner:
         else:
             drafts = {rid: propose(self.spec, np.asarray(self._requests[rid].token_ids.as_list(), dtype=np.int64), n)
                       for rid, n in lengths.items() if n > 0}
+            for rid in lengths:  # shadow probes: guess the next token, check it when it is sampled
+                state = self._requests[rid].drafting
+                if state.probe:
+                    guess = propose(self.spec, np.asarray(self._requests[rid].token_ids.as_list(), dtype=np.int64), 1)
+                    state.probe, state.shadow = False, guess[0] if guess else None
         result.draft_token_ids.update({rid: d for rid, d in drafts.items() if d})
 
     def _emit(self, request_id: str, tokens: list[int], logprobs: list, result: StepResult) -> None:

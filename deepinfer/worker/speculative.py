@@ -5,8 +5,9 @@ Each of the k + 1 rows is sampled as if the drafts before it had been generated:
 output tokens (penalties, min_tokens), its output position, and its own grammar mask. Greedy rows accept while the
 target's argmax equals the draft; sampled rows use the rejection rule (sample/rejection.py).
 
-Draft lengths: with `varlen`, each sequence drafts as many tokens as its recent acceptance makes worthwhile (down
-to none, probing again now and then); without it, every sequence drafts exactly k (as many as the proposer finds).
+Draft lengths: with `varlen`, the step's drafts are planned together, each sequence's by its recent acceptance,
+as many as raise the expected tokens per unit of step time (down to none, probing again now and then); without it,
+every sequence drafts exactly k (as many as the proposer finds).
 """
 from __future__ import annotations
 
@@ -24,29 +25,51 @@ from deepinfer.sample.sampler import Sampler, SamplingRow
 from deepinfer.spec.ngram import propose_ngram
 
 EMA = 0.7  # weight of the past in a sequence's acceptance estimate
-PROBE_EVERY = 8  # steps between one-token probes of a sequence that stopped drafting
-# a decode step's fixed cost in rows, calibrated on SmolLM2 Q4_1, 2 cores (benchmarks/spec_decode.py with 2, 4 and 8;
-# doc/inference_deployment_qa.md): below the ~10 rows the kernels alone suggest, since a batch waits for its
-# slowest sequence and a draft's verification costs more than its share of the kernels
-FIXED_ROWS = 4
+PROBE_EVERY = 8  # steps between one-token probes of a sequence that stopped drafting, alone (more in a batch)
+# A decode step of R rows costs FIXED_ROWS + max(WEIGHT_ROWS, LINEAR_SHARE * R) + (1 - LINEAR_SHARE) * R
+# + PASS_ROWS * (ceil(R / TILE_ROWS) - 1), in units of one row's compute: the layers' weights stream in WEIGHT_ROWS
+# rows' time however few rows use them (a small batch is memory-bound, its extra rows nearly free), the quantized
+# linear layers are LINEAR_SHARE of a row's compute (attention, LM head and sampling the rest), and each further
+# tile of TILE_ROWS rows (the AVX-512 kernel's) is one more pass over every weight block. Fit on SmolLM2 Q4_1,
+# 2 cores, ~150-token contexts (benchmarks/decode_stack.py: 2.6 / 4.8 / 9.0 / 17.8 / 35 ms at 1 / 8 / 16 / 32 / 64
+# rows, a row ~0.53 ms; a 9th row 0.7 ms; doc/inference_deployment_qa.md).
+FIXED_ROWS = 1.1
+WEIGHT_ROWS = 3.4
+LINEAR_SHARE = 0.62
+PASS_ROWS = 0.6
+TILE_ROWS = 8
+
+
+def step_cost(rows: int) -> float:
+    """A decode step of `rows` rows in units of one row's compute."""
+    passes = -(-rows // TILE_ROWS)
+    return FIXED_ROWS + max(WEIGHT_ROWS, LINEAR_SHARE * rows) + (1 - LINEAR_SHARE) * rows + PASS_ROWS * (passes - 1)
 
 
 @dataclass
 class DraftState:
-    """Per sequence: its acceptance estimate and how long it has gone without drafting."""
+    """Per sequence: its acceptance estimate and how long it has gone without drafting; a shadow probe's guess at
+    its next token (checked against the token it then samples, no row spent)."""
 
     acceptance: float = 0.6
     idle_steps: int = 0
+    probe: bool = False  # a probe is due after this step
+    shadow: int | None = None
+
+
+def draft_rows(base: SamplingRow, drafts: Sequence[int], masks: Sequence[torch.Tensor | None]) -> list[SamplingRow]:
+    """The k + 1 rows of a request with drafts, each sampled as if the drafts before it had been generated."""
+    return [SamplingRow(base.params, base.seed, base.position + i, base.prompt_token_ids,
+                        list(base.output_token_ids) + list(drafts[:i]), base.eos_token_ids,
+                        masks[i] if i < len(masks) else None)
+            for i in range(len(drafts) + 1)]
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, base: SamplingRow, drafts: Sequence[int],
            masks: Sequence[torch.Tensor | None]) -> tuple[list[int], list[dict[int, float] | None]]:
     """logits [k + 1, V] at the request's rows; base: the row as plain sampling would build it. Returns the tokens
     to emit and, if the request asks, their logprobs."""
-    rows = [SamplingRow(base.params, base.seed, base.position + i, base.prompt_token_ids,
-                        list(base.output_token_ids) + list(drafts[:i]), base.eos_token_ids,
-                        masks[i] if i < len(masks) else None)
-            for i in range(len(drafts) + 1)]
+    rows = draft_rows(base, drafts, masks)
     if base.params.greedy:
         emitted = verify_greedy(sampler(logits, rows).token_ids, drafts)
     else:
@@ -57,30 +80,54 @@ def verify(sampler: Sampler, logits: torch.Tensor, base: SamplingRow, drafts: Se
     return emitted, list(logprob_dicts(raw, emitted, [base.params.logprobs] * len(emitted)))
 
 
-def draft_length(spec: SpecConfig, varlen: bool, state: DraftState, batch_seqs: int) -> int:
-    """How many tokens to draft next: k, or with varlen the longest j whose j-th draft is still likely enough to be
-    accepted. A draft row costs about as much as any row of the step; an accepted draft saves this sequence's share
-    of a whole step, step / batch. With a step costing FIXED_ROWS rows plus one per row, drafting the j-th token pays
-    while acceptance^j >= batch / (batch + FIXED_ROWS): 0.2 alone, 0.67 at 8 sequences, 0.89 at 32."""
+def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftState],
+                       shadow_probes: bool = False) -> list[int]:
+    """How many tokens each of a step's sampling sequences drafts next: k each without varlen; with it, the drafts
+    that raise the step's expected tokens per unit of time. The j-th draft of a sequence with acceptance a is
+    accepted with probability a^j; candidates are taken best first while that beats the step's current tokens per
+    row-cost, E * (cost(R + 1) - cost(R)) / cost(R) with E the expected tokens and R the rows so far (the bar is
+    ~0.08 alone while the rows are memory-bound, ~0.88 inside a tile of 8-16 sequences, above 1 where a draft
+    would start a new tile, ~0.97 at 32). A sequence left at none probes with one token now and then,
+    less often in a bigger batch (a probe is a row too); with `shadow_probes` (proposers that cost nothing, n-gram)
+    the probe is only marked (`state.probe`): the runner guesses the next token and checks it, spending no row."""
     k = spec.num_speculative_tokens
     if not varlen:
-        return k
-    bar = batch_seqs / (batch_seqs + FIXED_ROWS)
-    j = 0
-    while j < k and state.acceptance ** (j + 1) >= bar:
-        j += 1
-    if j == 0:
-        state.idle_steps += 1
-        if state.idle_steps >= PROBE_EVERY:
-            state.idle_steps = 0
-            return 1
-    return j
+        return [k] * len(states)
+    batch = len(states)
+    lengths = [0] * batch
+    candidates = sorted(((-(st.acceptance ** j), j, i) for i, st in enumerate(states) for j in range(1, k + 1)))
+    rows, expected, cost = batch, float(batch), step_cost(batch)
+    for neg_p, _, i in candidates:
+        more = step_cost(rows + 1)
+        if -neg_p <= expected * (more - cost) / cost:
+            break
+        lengths[i] += 1
+        rows, expected, cost = rows + 1, expected - neg_p, more
+    for i, st in enumerate(states):
+        if lengths[i]:
+            st.idle_steps = 0
+            continue
+        st.idle_steps += 1
+        if st.idle_steps >= PROBE_EVERY * max(1, batch // 4):
+            st.idle_steps = 0
+            if shadow_probes:
+                st.probe = True
+            else:
+                lengths[i] = 1
+    return lengths
 
 
 def record_acceptance(state: DraftState, drafted: int, accepted: int) -> None:
     if drafted:
         rate = accepted / drafted
         state.acceptance = EMA * state.acceptance + (1 - EMA) * rate
+
+
+def check_shadow(state: DraftState, token: int) -> None:
+    """A shadow probe's guess against the token the sequence sampled: one draft, accepted or not."""
+    if state.shadow is not None:
+        record_acceptance(state, 1, int(token == state.shadow))
+        state.shadow = None
 
 
 def propose(spec: SpecConfig, tokens: np.ndarray, length: int) -> list[int]:

@@ -1,29 +1,68 @@
-"""The varlen draft-length rule: draft the j-th token while acceptance^j >= batch / (batch + FIXED_ROWS)."""
+"""The varlen draft plan: a step's drafts are taken best first (acceptance^j) while they raise the expected tokens
+per unit of step cost (worker/speculative.py: step_cost)."""
+import pytest
+
 from deepinfer.config import SpecConfig
-from deepinfer.worker.speculative import FIXED_ROWS, PROBE_EVERY, DraftState, draft_length
+from deepinfer.worker.speculative import PROBE_EVERY, DraftState, check_shadow, plan_draft_lengths, step_cost
 
 SPEC = SpecConfig(speculative_method="ngram", num_speculative_tokens=5)
 
 
-def test_alone_a_fair_acceptance_drafts_deep():
-    # 0.6^3 = 0.216 >= 1/5 = 0.2 > 0.6^4
-    assert draft_length(SPEC, True, DraftState(acceptance=0.6), 1) == 3
-    assert draft_length(SPEC, True, DraftState(acceptance=0.95), 1) == 5  # never more than k
+def plan(acceptances, varlen=True):
+    return plan_draft_lengths(SPEC, varlen, [DraftState(acceptance=a) for a in acceptances])
+
+
+def expected_tokens_per_cost(acceptances, lengths):
+    tokens = sum(1 + sum(a**j for j in range(1, n + 1)) for a, n in zip(acceptances, lengths))
+    return tokens / step_cost(len(acceptances) + sum(lengths))
+
+
+def test_alone_drafts_are_cheap_so_a_fair_acceptance_drafts_deep():
+    assert plan([0.5]) == [3]  # alone, rows are memory-bound: a draft costs ~8% of a step
+    assert plan([0.7]) == [4]
+    assert plan([0.95]) == [5]  # never more than k
 
 
 def test_the_bar_rises_with_the_batch():
-    state = DraftState(acceptance=0.85)
-    lengths = [draft_length(SPEC, True, state, b) for b in (1, 8, 32, 64)]
+    lengths = [plan([0.85] * b)[0] for b in (1, 2, 4, 8, 32)]
     assert lengths == sorted(lengths, reverse=True) and lengths[0] == 5 and lengths[-1] == 0
-    assert lengths[1] == 2  # at 8 sequences the bar is 8 / (8 + FIXED_ROWS) = 0.67: 0.85^2 = 0.72 passes it
-    assert FIXED_ROWS == 4
+    assert plan([0.95] * 8) == [0] * 8  # 8 rows fill the kernels' tile: a 9th would start another pass
+    assert sum(plan([0.95] * 12)) == 4  # 12 sequences: likely drafts fill the second tile, no more
 
 
-def test_a_sequence_that_stopped_drafting_probes_with_one_token():
-    state = DraftState(acceptance=0.5)
-    lengths = [draft_length(SPEC, True, state, 64) for _ in range(PROBE_EVERY)]
-    assert lengths == [0] * (PROBE_EVERY - 1) + [1]
+def test_the_plan_beats_every_uniform_length_and_prefers_the_likelier_sequence():
+    acceptances = [0.9, 0.3, 0.6, 0.8]
+    lengths = plan(acceptances)
+    assert lengths[0] >= lengths[3] >= lengths[2] >= lengths[1]
+    best = expected_tokens_per_cost(acceptances, lengths)
+    for n in range(6):
+        assert best >= expected_tokens_per_cost(acceptances, [n] * 4) - 1e-12
+
+
+def test_a_sequence_that_stopped_drafting_probes_with_one_token_less_often_in_a_big_batch():
+    states = [DraftState(acceptance=0.05)]  # below the bar even alone
+    alone = [plan_draft_lengths(SPEC, True, states)[0] for _ in range(PROBE_EVERY)]
+    assert alone == [0] * (PROBE_EVERY - 1) + [1]
+    states = [DraftState(acceptance=0.5) for _ in range(32)]
+    firsts = [plan_draft_lengths(SPEC, True, states)[0] for _ in range(8 * PROBE_EVERY)]
+    assert sum(firsts) == 1 and firsts.index(1) + 1 > 4 * PROBE_EVERY
 
 
 def test_without_varlen_every_sequence_drafts_k():
-    assert draft_length(SPEC, False, DraftState(acceptance=0.0), 64) == 5
+    assert plan([0.0] * 64, varlen=False) == [5] * 64
+
+
+def test_shadow_probes_spend_no_row_and_check_a_guess_against_the_sampled_token():
+    states = [DraftState(acceptance=0.5) for _ in range(32)]
+    probed = []
+    for _ in range(8 * PROBE_EVERY):
+        assert plan_draft_lengths(SPEC, True, states, shadow_probes=True) == [0] * 32
+        probed.append(states[0].probe)
+        states[0].probe = False
+    assert sum(probed) == 1
+    state = states[0]
+    state.shadow = 7
+    check_shadow(state, 7)  # the guess was right: one draft, accepted
+    assert state.acceptance == pytest.approx(0.7 * 0.5 + 0.3) and state.shadow is None
+    check_shadow(state, 7)  # no guess pending: nothing recorded
+    assert state.acceptance == pytest.approx(0.65)
