@@ -10,6 +10,12 @@ from torch import nn
 from deepinfer.layers.context import get_forward_context
 
 
+# Prefill chunks whose context is at most this many tokens go through the compiled paged kernel (each query run as a
+# decode row, straight from the cache) rather than SDPA: SmolLM2 / Gemma 3 shapes, 2 cores, one causal sequence:
+# 1.6x / 1.4x faster at 128 tokens, 1.2x at 512, 0.88x at 1024 (SDPA's tiles share keys across queries).
+PAGED_PREFILL_MAX = 768
+
+
 class Attention(nn.Module):
     """softmax(q k^T * scale [+ mask]) v over a sequence's cached and new tokens.
 
@@ -65,6 +71,11 @@ class Attention(nn.Module):
                                           md.block_size)
         for seq in md.prefills:
             rows = slice(seq.start, seq.start + seq.num_tokens)
+            if kernels is not None and seq.context_len <= PAGED_PREFILL_MAX:  # each query as a decode row would be
+                out[rows] = kernels.paged_prefill(q[rows].contiguous(), k_cache, v_cache, seq.block_table,
+                                                  seq.context_len - seq.num_tokens, md.block_size, self.scale,
+                                                  self.sliding_window or -1)
+                continue
             first = 0  # first key position any of these queries sees
             if self.sliding_window is not None:
                 first = max(0, seq.context_len - seq.num_tokens - self.sliding_window + 1)
