@@ -17,7 +17,7 @@ import torch
 logger = logging.getLogger("deepinfer")
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-SOURCES = ("quant_linear.cpp", "layer_ops.cpp", "attention.cpp", "decode_stack.cpp", "bindings.cpp")
+SOURCES = ("quant_linear.cpp", "layer_ops.cpp", "attention.cpp", "decode_stack.cpp", "sampling.cpp", "bindings.cpp")
 ISA_FLAGS = {
     "native": ["-march=native"],
     "avx2-vnni": ["-march=native", "-mno-avx512f", "-mavxvnni"],
