@@ -3,16 +3,6 @@ where a row holds one, every tail length of the 16-wide vector loop."""
 import pytest
 import torch
 
-from deepinfer.ops import cpu_ops
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    ops = cpu_ops.load()
-    if ops is None:
-        pytest.fail("the compiled CPU ops could not be built here")
-    return ops
-
 
 def rows(kind: str, n: int, v: int, gen: torch.Generator) -> torch.Tensor:
     x = torch.randn(n, v, generator=gen)

@@ -3,19 +3,10 @@ and, rounding float32 rows as torch rounds them, into bfloat16 caches."""
 import pytest
 import torch
 
-from deepinfer.ops import cpu_ops
-
-
-@pytest.fixture(scope="module")
-def ops():
-    compiled = cpu_ops.load()
-    if compiled is None:
-        pytest.skip("the compiled CPU ops could not be built here (no compiler or ninja); torch ops are used")
-    return compiled
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_cache_write_matches_index_copy(ops, cache_dtype):
+def test_cache_write_matches_index_copy(kernels, cache_dtype):
     gen = torch.Generator().manual_seed(3)
     slots_total, heads, dim = 512, 3, 64
     k = torch.randn(300, heads, dim, generator=gen)  # enough rows for the threads to share them
@@ -28,13 +19,13 @@ def test_cache_write_matches_index_copy(ops, cache_dtype):
     want_k.index_copy_(0, slots, k.to(cache_dtype))
     want_v.index_copy_(0, slots, v.to(cache_dtype))
     got_k, got_v = (torch.zeros(slots_total, heads, dim, dtype=cache_dtype) for _ in range(2))
-    ops.cache_write(k, v, got_k, got_v, slots)
+    kernels.cache_write(k, v, got_k, got_v, slots)
     assert torch.equal(got_k.view(torch.int16 if cache_dtype == torch.bfloat16 else torch.int32),
                        want_k.view(torch.int16 if cache_dtype == torch.bfloat16 else torch.int32))
     assert torch.equal(got_v, want_v)
 
 
-def test_cache_write_refuses_other_dtype_pairs(ops):
+def test_cache_write_refuses_other_dtype_pairs(kernels):
     k = torch.randn(1, 1, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="dtype mismatch"):
-        ops.cache_write(k, k, torch.zeros(4, 1, 64), torch.zeros(4, 1, 64), torch.tensor([0]))
+        kernels.cache_write(k, k, torch.zeros(4, 1, 64), torch.zeros(4, 1, 64), torch.tensor([0]))

@@ -4,17 +4,8 @@ import pytest
 import torch
 
 from deepinfer.layers.attention import Attention
-from deepinfer.ops.cpu_attention import load
 
 BS = 16
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    compiled = load()
-    if compiled is None:
-        pytest.skip("the CPU kernel could not be built here (no compiler or ninja); the torch path is used")
-    return compiled
 
 
 @pytest.fixture(scope="module")

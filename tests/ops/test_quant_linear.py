@@ -22,13 +22,6 @@ SCALE_FIELDS = {  # byte offsets of fp16 scale fields inside a block
 }
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    module = cpu_ops.load()
-    assert module is not None, "the quantized-weight kernel failed to build (see the warning above)"
-    return module
-
-
 def random_blocks(qtype: QType, n: int, k: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     per, size = gguf.GGML_QUANT_SIZES[qtype]
