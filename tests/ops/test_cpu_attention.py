@@ -30,7 +30,8 @@ def test_kernel_matches_the_torch_path(kernel, heads, kv_heads, dim, window):
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, None), (4, 1, 256, 40), (6, 2, 128, 17)])
+@pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, None), (4, 1, 256, 40), (6, 2, 128, 17),
+                                                     (14, 2, 64, None)])  # 7 query heads a KV head (Qwen2 7B)
 def test_bfloat16_cache_matches_float32_attention_over_the_same_values(kernels, heads, kv_heads, dim, window):
     """A bfloat16 cache is read as the float32 values it holds: a float32 cache holding those values gives the same
     result to float rounding (the compiler may order a vectorized dot product differently for the two types), and

@@ -258,10 +258,17 @@ DecodeAttention decode_attention(const float* q, const torch::Tensor& k_cache, c
                                  int64_t rows, int64_t heads, const int64_t* tables, int64_t width,
                                  const int64_t* lens, int64_t block_size, double scale, int64_t window, float* out,
                                  int threads) {
-  const int64_t kv_heads = k_cache.size(1), dim = k_cache.size(2);
+  const int64_t kv_heads = k_cache.size(1), dim = k_cache.size(2), group = heads / kv_heads;
   // Few (row, KV head) items for the threads (one user: 3 for SmolLM2 on 2 threads): one item per query head
-  // instead. A head's arithmetic is the same either way (no operation mixes heads), so the bits are too.
-  const int64_t per = rows * kv_heads < 2 * threads ? 1 : heads / kv_heads;
+  // instead. A head's arithmetic is the same either way (no operation mixes heads), so the bits are too, as long as
+  // the group runs the code one head runs: with AVX-512, groups without their own compiled copy (other than 1, 2,
+  // 3, 4, 8) would run the portable loop, so they always go one head per item.
+#if defined(__AVX512F__)
+  const bool same_code = group == 1 || group == 2 || group == 3 || group == 4 || group == 8;
+#else
+  const bool same_code = true;
+#endif
+  const int64_t per = rows * kv_heads < 2 * threads || !same_code ? 1 : group;
   return DecodeAttention{q, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.scalar_type() == torch::kBFloat16,
                          rows, heads, kv_heads, dim, tables, width, lens, block_size, static_cast<float>(scale),
                          window, out, per};
