@@ -11,43 +11,35 @@
 #include "ops.h"
 
 static int64_t argmax_row(const float* x, int64_t V) {
-  int64_t i = 0;
+  int64_t i = 0, first = 0;  // the next index to look at, the argmax so far
+  float value = -INFINITY;
 #if defined(__AVX512F__)
-  __m512 best = _mm512_set1_ps(-INFINITY);
-  __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512i where = at;  // lane j: the first index of its largest value (lane j itself while none beat -inf)
-  __mmask16 nan = 0;
-  const __m512i step = _mm512_set1_epi32(16);
-  if (V < (int64_t)1 << 31) {
+  if (V >= 16 && V < (int64_t)1 << 31) {  // 16 values at a time, lane j keeping the first index of its largest
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), where = at;
+    __mmask16 nan = 0;
     for (; i + 16 <= V; i += 16) {
       const __m512 v = _mm512_loadu_ps(x + i);
       const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strictly greater: earlier indices win ties
       best = _mm512_mask_mov_ps(best, gt, v);
       where = _mm512_mask_mov_epi32(where, gt, at);
       nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      at = _mm512_add_epi32(at, step);
+      at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
     }
-    if (nan == 0) {
-      const float top = _mm512_reduce_max_ps(best);
-      const __mmask16 tie = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-      int64_t first = _mm512_mask_reduce_min_epi32(tie, where);
-      float value = top;
-      if (i == 0) { first = 0; value = x[0]; i = 1; }  // fewer than 16 values: all of them below
-      for (; i < V; ++i)
-        if (x[i] > value || std::isnan(x[i])) {
-          if (std::isnan(x[i])) return i;
-          value = x[i];
-          first = i;
-        }
-      return first;
+    if (nan != 0) i = 0;  // the first NaN wins: the loop below finds it
+    else {
+      value = _mm512_reduce_max_ps(best);
+      first = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(best, _mm512_set1_ps(value), _CMP_EQ_OQ), where);
     }
   }
 #endif
-  for (i = 0; i < V; ++i)
+  for (; i < V; ++i) {
     if (std::isnan(x[i])) return i;
-  int64_t first = 0;
-  for (i = 1; i < V; ++i)
-    if (x[i] > x[first]) first = i;
+    if (x[i] > value) {
+      value = x[i];
+      first = i;
+    }
+  }
   return first;
 }
 
