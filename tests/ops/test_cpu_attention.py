@@ -108,3 +108,38 @@ def test_fresh_prefill_causal_shortcut_gives_the_masked_bits(heads, kv_heads, di
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         attn_mask=mask, scale=dim**-0.5, enable_gqa=heads != kv_heads).squeeze(0).transpose(0, 1)
     assert torch.equal(shortcut, masked)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "generic"])
+@pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, None), (8, 1, 256, 40), (14, 2, 128, 17)])
+def test_lower_builds_match_the_torch_path_and_give_a_row_its_bits_in_any_batch(isa, heads, kv_heads, dim, window):
+    """The AVX2 (keys 4 at a time) and portable loops, built here with the CPU's higher features off: close to the
+    torch path, a prefill row gives its decode bits, and a row alone (one item per query head) equals that row inside
+    a batch (one item per KV head once every thread has one). 7 query heads a KV head has no compiled copy."""
+    from deepinfer.ops import cpu_ops
+
+    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= cpu_ops.cpu_isa_flags():
+        pytest.skip("this CPU has no AVX2")
+    ops = cpu_ops.load(isa)
+    assert ops is not None, f"the {isa} build failed"
+    gen = torch.Generator().manual_seed(dim + heads)
+    num_blocks = 160
+    lens = torch.tensor([1, 16, 17, 99, 250, 3, 64, 130], dtype=torch.int64)
+    width = int((lens.max() + BS - 1) // BS)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width).contiguous()
+    q = torch.randn(len(lens), heads, dim, generator=gen)
+    scale, w = dim**-0.5, window or -1
+    layer = Attention(heads, kv_heads, dim, scale, 0, sliding_window=window)
+    for dtype in (torch.float32, torch.bfloat16):
+        k = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen).to(dtype)
+        v = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen).to(dtype)
+        batch = ops.paged_decode(q, k, v, tables, lens, BS, scale, w)
+        torch.testing.assert_close(batch, layer._decode(q, k, v, tables, lens, BS), atol=2e-6, rtol=1e-5)
+        for r in range(len(lens)):
+            alone = ops.paged_decode(q[r : r + 1], k, v, tables[r : r + 1], lens[r : r + 1], BS, scale, w)
+            assert torch.equal(alone[0], batch[r]), (dtype, r)
+        last = torch.randn(5, heads, dim, generator=gen)
+        chunk = ops.paged_prefill(last, k, v, tables[4], int(lens[4]) - 5, BS, scale, w)
+        one_by_one = [ops.paged_decode(last[i : i + 1], k, v, tables[4:5], lens[4:5] - 4 + i, BS, scale, w)
+                      for i in range(5)]
+        assert torch.equal(chunk, torch.cat(one_by_one)), dtype

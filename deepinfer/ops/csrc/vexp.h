@@ -4,7 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -45,6 +45,19 @@ static inline __m512 exp_approx16(__m512 x) {
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __m256 exp_approx8(__m256 x) {  // exp_approx16's operations, 8 values at a time
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kLow)), _mm256_set1_ps(kHigh));
+  const __m256 fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(kC1)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(fx, _mm256_set1_ps(kC2)));
+  const __m256 z = _mm256_mul_ps(r, r);
+  __m256 y = _mm256_set1_ps(kP[0]);
+  for (int k = 1; k < 6; ++k) y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(kP[k]));
+  y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, z), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
 #endif
 
 // v[0..count) = exp_approx(v[i] - shift)
@@ -56,6 +69,11 @@ static inline void exp_shifted(float* v, int64_t count, float shift) {
     _mm512_mask_storeu_ps(v + i, m, exp_approx16(x));
   }
 #else
-  for (int64_t i = 0; i < count; ++i) v[i] = exp_approx(v[i] - shift);
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= count; i += 8)
+    _mm256_storeu_ps(v + i, exp_approx8(_mm256_sub_ps(_mm256_loadu_ps(v + i), _mm256_set1_ps(shift))));
+#endif
+  for (; i < count; ++i) v[i] = exp_approx(v[i] - shift);
 #endif
 }
