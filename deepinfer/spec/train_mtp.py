@@ -1,17 +1,23 @@
 """`deepinfer train-mtp`: a DeepSeek-style MTP draft head for a model that ships without one, by self-distillation.
 
-1. The model writes its own training text: chat answers to seeded prompts (deepinfer, its default compute).
-2. The model, dense float32 in transformers, gives for every position p its final normed hidden state h_p and its
-   next-token distribution (top 32 kept).
+1. The model writes its own training text: chat answers to seeded prompts (deepinfer, its default compute), a
+   quarter greedy (what a greedy request then drafts against) and the rest sampled at temperature 0.7.
+2. The same deepinfer model (the compute that will verify the drafts) gives every position p its final normed
+   hidden state h_p; its next-token distribution is the LM head applied to h_p.
 3. One MTP layer learns to predict token p + 2 from h_p and token p + 1: row p = W_eh [norm(emb(t_{p+1})) ;
-   norm(h_p)] -> a decoder layer (causal over the rows) -> norm -> the model's own (frozen) LM head, trained to
-   match the model's distribution at p + 1 (KL over the teacher's top tokens). Initialised from the model's last
-   decoder layer and its final norm, with W_eh passing the hidden state through, so it starts as a plausible
-   guesser; the embedding and head stay frozen.
-4. The head is written to a cache directory (spec/mtp_head.py) with the held-out top-1 agreement measured.
+   norm(h_p)] -> a decoder layer (causal over the rows) -> norm -> the model's own (frozen) LM head restricted to
+   the draft vocabulary (the corpus's most frequent tokens), trained to match the model's distribution at p + 1
+   over that vocabulary. The layer is applied again to its own output for deeper drafts, exactly as drafting does:
+   depth d's row p sits at position p + d - 1 and sees the depth-1 keys up to p and its own chain's deeper keys
+   (the paged cache's contents at that moment), and is trained against the model at p + d. Initialised from the
+   model's last decoder layer and its final norm, with W_eh passing the hidden state through; embedding and head
+   stay frozen.
+4. The head is written to a cache directory (spec/mtp_head.py) with its held-out agreement per depth measured on
+   the generated rows.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -41,15 +47,23 @@ CODE = ["Write a Python function that reverses a string.", "Write a Python class
 
 @dataclass(frozen=True)
 class TrainConfig:
-    num_prompts: int = 192
+    num_prompts: int = 768  # answers generated (the prompt list cycled, each answer with its own seed)
     gen_tokens: int = 192
     minutes: float = 25.0  # wall-clock budget for the whole run
     lr: float = 5e-4
-    top_k: int = 32  # teacher tokens kept per position
+    depths: int = 2  # prediction depths trained (the layer applied recursively, as drafting applies it)
     holdout: float = 0.1
     draft_vocab: int = 4096  # drafts come from the most frequent tokens of the training text (0: all)
     seed: int = 0
     threads: int | None = None
+
+
+@dataclass(frozen=True)
+class Sample:
+    ids: torch.Tensor  # [T] the prompt and the answer
+    prompt_len: int
+    hidden: torch.Tensor  # [T, H] the model's final normed hidden states
+    top1: torch.Tensor  # [T] the model's greedy next token at each position (whole vocabulary)
 
 
 def prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
@@ -57,30 +71,52 @@ def prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
     texts = [task.format(topic) for topic in TOPICS for task in TASKS] + CODE * 4
     rng.shuffle(texts)
     out = []
-    for text in texts[:count]:
+    for text in (texts * (count // len(texts) + 1))[:count]:
         chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                              add_generation_prompt=True)
         out.append(list(tokenizer(chat, add_special_tokens=False).input_ids))
     return out
 
 
-def generate_corpus(model: str | None, cfg: TrainConfig) -> tuple[list[list[int]], str]:
+def corpus(model: str | None, cfg: TrainConfig) -> tuple[list[Sample], str]:
+    """Generates the answers, then runs the model over each whole sequence for its hidden states."""
     from deepinfer import LLM, SamplingParams
 
     llm = LLM(model, num_threads=cfg.threads)
     seqs = prompts(llm.get_tokenizer(), cfg.num_prompts, cfg.seed)
-    params = [SamplingParams(temperature=0.7, top_p=0.95, seq_seed=cfg.seed + i, max_tokens=cfg.gen_tokens)
-              for i in range(len(seqs))]
+    greedy = cfg.num_prompts // 4
+    params = [SamplingParams(temperature=0.0 if i < greedy else 0.7, top_p=0.95, seq_seed=cfg.seed + i,
+                             max_tokens=cfg.gen_tokens) for i in range(len(seqs))]
     outs = llm.generate(seqs, params)
     path = llm.engine.model_path
+    samples = teacher(llm.engine.executor.model, [(p, p + list(o.outputs[0].token_ids)) for p, o in zip(seqs, outs)])
     del llm
-    return [p + list(o.outputs[0].token_ids) for p, o in zip(seqs, outs)], path
+    return samples, path
+
+
+def teacher(model, seqs: list[tuple[list[int], list[int]]]) -> list[Sample]:
+    """The deepinfer model over each sequence in a scratch cache: hidden states and greedy next tokens."""
+    from tqdm.auto import tqdm
+
+    from deepinfer.layers.context import forward_context
+    from deepinfer.spec.mtp import contiguous_context
+
+    specs = [(s.num_kv_heads, s.head_dim, s.v_head_dim) for s in model.kv_cache_specs()]
+    out = []
+    with torch.inference_mode():
+        for prompt, ids in tqdm(seqs, desc="teacher", leave=False):
+            ids_t, positions = torch.tensor(ids), torch.arange(len(ids))
+            with forward_context(contiguous_context(positions, specs, torch.float32)):
+                hidden = model(ids_t, positions).float()
+            top1 = model.compute_logits(hidden).argmax(-1)
+            out.append(Sample(ids_t, len(prompt), hidden.clone(), top1.clone()))
+    return out
 
 
 class TrainableMTP(nn.Module):
     """The MTP layer in transformers' modules (autograd), named as the head file stores it."""
 
-    def __init__(self, hf_model) -> None:
+    def __init__(self, hf_model, vocab: torch.Tensor | None) -> None:
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
@@ -98,36 +134,35 @@ class TrainableMTP(nn.Module):
         self.shared_head.norm.load_state_dict(hf_model.model.norm.state_dict())
         self.rotary = LlamaRotaryEmbedding(config)
         self.embed = hf_model.model.embed_tokens.weight.detach()
-        self.head = hf_model.lm_head.weight.detach()
+        head = hf_model.lm_head.weight.detach()
+        self.vocab = vocab
+        self.head = (head if vocab is None else head[vocab]).contiguous()  # the draft vocabulary's rows
 
-    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H] (h_0..h_{T-1}), next_tokens [T] (t_1..t_T) -> logits [T, V] for t_2..t_{T+1}."""
-        t = hidden.shape[0]
-        x = self.eh_proj(torch.cat((self.enorm(F.embedding(next_tokens, self.embed)), self.hnorm(hidden)), -1))[None]
-        positions = torch.arange(t)[None]
-        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
-        out = self.block(x, attention_mask=mask, position_ids=positions,
-                         position_embeddings=self.rotary(x, positions))
-        out = out[0] if isinstance(out, tuple) else out
-        return F.linear(self.shared_head.norm(out[0]), self.head)
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, depths: int) -> list[torch.Tensor]:
+        """hidden [n, H] (h_0..h_{n-1}), tokens [n + depths - 1] (t_1..) -> per depth d, draft-vocabulary logits
+        [n, V'] for t_{d+1}..t_{n+d}."""
+        from transformers import DynamicCache
+
+        n = hidden.shape[0]
+        cache, states, logits = DynamicCache(), hidden, []
+        cache_arg = "cache" if "cache" in inspect.signature(self.block.forward).parameters else "past_key_values"
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        eye = torch.eye(n, dtype=torch.bool)
+        for d in range(depths):
+            x = self.eh_proj(torch.cat((self.enorm(F.embedding(tokens[d : d + n], self.embed)),
+                                        self.hnorm(states)), -1))[None]
+            positions = torch.arange(d, d + n)[None]
+            allowed = torch.cat([causal] + [eye] * d, dim=1)  # depth-1 keys up to p, then this chain's own
+            mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, None]
+            out = self.block(x, attention_mask=mask, position_ids=positions, use_cache=True,
+                             position_embeddings=self.rotary(x, positions), **{cache_arg: cache})
+            states = self.shared_head.norm((out[0] if isinstance(out, tuple) else out)[0])
+            logits.append(F.linear(states, self.head))
+        return logits
 
     def head_tensors(self) -> dict[str, torch.Tensor]:
         skip = ("rotary",)
         return {name: p for name, p in self.named_parameters() if not name.startswith(skip)}
-
-
-def teacher(hf_model, seqs: list[list[int]], top_k: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per sequence: hidden [T, H] after the final norm, and the top-k (ids, probabilities) of the next token."""
-    from tqdm.auto import tqdm
-
-    out = []
-    with torch.no_grad():  # not inference_mode: these tensors feed the training graph
-        for ids in tqdm(seqs, desc="teacher (float32)", leave=False):
-            result = hf_model(torch.tensor([ids]), output_hidden_states=True)
-            probs = torch.softmax(result.logits[0].float(), -1)
-            top = probs.topk(top_k, dim=-1)
-            out.append((result.hidden_states[-1][0].float().clone(), top.indices.clone(), top.values.clone()))
-    return out
 
 
 def draft_vocabulary(seqs: list[list[int]], vocab_size: int, size: int) -> list[int]:
@@ -139,16 +174,24 @@ def draft_vocabulary(seqs: list[list[int]], vocab_size: int, size: int) -> list[
     return sorted(order[:size])
 
 
-def _loss(mtp: TrainableMTP, seq: list[int], hidden, top_ids, top_p) -> tuple[torch.Tensor, float]:
-    """KL(teacher || MTP) over the teacher's top tokens at rows 0..T-3, and the top-1 agreement."""
-    ids = torch.tensor(seq)
-    logits = mtp(hidden[:-2], ids[1:-1])
-    target_ids, target_p = top_ids[1:-1], top_p[1:-1]
-    target_p = target_p / target_p.sum(-1, keepdim=True)
-    logp = torch.log_softmax(logits, -1).gather(1, target_ids)
-    loss = -(target_p * logp).sum(-1).mean()
-    agree = float((logits.argmax(-1) == target_ids[:, 0]).float().mean())
-    return loss, agree
+def _loss(mtp: TrainableMTP, s: Sample, depths: int) -> tuple[torch.Tensor, list[float]]:
+    """Cross-entropy against the model's distribution over the draft vocabulary, depth d weighted 1 / d, and each
+    depth's top-1 agreement with the model's greedy token on the generated rows (in order: given the chain so far
+    agreed, as drafting is accepted)."""
+    n = s.ids.shape[0] - depths
+    logits = mtp(s.hidden[:n], s.ids[1:], depths)
+    loss, hits = torch.zeros(()), []
+    agreed = torch.ones(n, dtype=torch.bool)
+    generated = torch.arange(n) >= s.prompt_len - 1
+    for d, lg in enumerate(logits, start=1):
+        with torch.no_grad():
+            target = torch.softmax(F.linear(s.hidden[d : d + n], mtp.head), -1)
+        loss = loss + -(target * torch.log_softmax(lg, -1)).sum(-1).mean() / d
+        good = agreed & generated
+        vocab_ids = lg.argmax(-1) if mtp.vocab is None else mtp.vocab[lg.argmax(-1)]
+        agreed = good & (vocab_ids == s.top1[d : d + n])
+        hits.append((int(agreed.sum()), int(good.sum())))
+    return loss, hits
 
 
 def train(model: str | None, out_dir: str | None, cfg: TrainConfig) -> str:
@@ -161,33 +204,45 @@ def train(model: str | None, out_dir: str | None, cfg: TrainConfig) -> str:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     start = time.perf_counter()
-    seqs, path = generate_corpus(model, cfg)
-    logger.info("corpus: %d sequences, %d tokens (%.0f s)", len(seqs), sum(map(len, seqs)), time.perf_counter() - start)
+    samples, path = corpus(model, cfg)
+    logger.info("corpus: %d sequences, %d tokens (%.0f s)", len(samples), sum(len(s.ids) for s in samples),
+                time.perf_counter() - start)
     directory, name = os.path.split(path) if path.endswith(".gguf") else (path, None)
     hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
     hf.config._attn_implementation = "sdpa"
-    data = teacher(hf, seqs, cfg.top_k)
-    cut = max(1, int(len(seqs) * cfg.holdout))
-    train_idx, held = list(range(cut, len(seqs))), list(range(cut))
-    mtp = TrainableMTP(hf)
-    params = [p for n, p in mtp.named_parameters()]
+    config = hf.config
+    vocab = draft_vocabulary([s.ids.tolist() for s in samples], config.vocab_size, cfg.draft_vocab)
+    mtp = TrainableMTP(hf, torch.tensor(vocab) if vocab else None)
+    del hf
+    # held out: the first answers (greedy ones, as a greedy request drafts), and no answer to their prompts trains
+    cut = max(1, int(len(samples) * cfg.holdout))
+    held = list(range(cut))
+    held_prompts = {tuple(samples[i].ids[: samples[i].prompt_len].tolist()) for i in held}
+    train_idx = [i for i in range(cut, len(samples))
+                 if tuple(samples[i].ids[: samples[i].prompt_len].tolist()) not in held_prompts]
+    params = [p for _, p in mtp.named_parameters()]
     optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     deadline = start + 60 * cfg.minutes - 60  # leave a minute to evaluate and save
     steps, epoch, rng = 0, 0, random.Random(cfg.seed)
-    estimate = max(1, len(train_idx) * 3)
+    estimate = None
     bar = tqdm(desc="train MTP", unit="seq", leave=False)
     while time.perf_counter() < deadline:
         rng.shuffle(train_idx)
         for i in train_idx:
-            if time.perf_counter() >= deadline:
+            now = time.perf_counter()
+            if now >= deadline:
                 break
-            for group in optim.param_groups:  # cosine decay over the estimated run
-                group["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, steps / estimate)))
-            loss, _ = _loss(mtp, seqs[i], *data[i])
+            if steps == 20:  # cosine decay over the steps the remaining time allows at the measured pace
+                estimate = 20 + int((deadline - now) / ((now - first) / 19))
+            for group in optim.param_groups:
+                group["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, steps / (estimate or 10**9))))
+            loss, _ = _loss(mtp, samples[i], cfg.depths)
             optim.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optim.step()
+            if steps == 0:
+                first = time.perf_counter()
             steps += 1
             bar.update()
             bar.set_postfix(loss=f"{loss.item():.3f}", epoch=epoch)
@@ -195,16 +250,21 @@ def train(model: str | None, out_dir: str | None, cfg: TrainConfig) -> str:
     bar.close()
     if steps == 0:
         raise RuntimeError(f"the {cfg.minutes}-minute budget ran out before training began (generating and scoring "
-                           f"{len(seqs)} answers took {time.perf_counter() - start:.0f} s): raise --minutes or lower "
-                           f"--num-prompts / --gen-tokens")
+                           f"{len(samples)} answers took {time.perf_counter() - start:.0f} s): raise --minutes or "
+                           f"lower --num-prompts / --gen-tokens")
+    totals = [[0, 0] for _ in range(cfg.depths)]
     with torch.no_grad():
-        agreement = sum(_loss(mtp, seqs[i], *data[i])[1] for i in held) / len(held)
-    train_info = {"sequences": len(seqs), "tokens": sum(map(len, seqs)), "steps": steps, "epochs": epoch,
-                  "seconds": round(time.perf_counter() - start, 1), "heldout_top1_agreement": round(agreement, 4)}
-    config = hf.config
+        for i in held:
+            for d, (hit, seen) in enumerate(_loss(mtp, samples[i], cfg.depths)[1]):
+                totals[d][0] += hit
+                totals[d][1] += seen
+    agreement = [round(hit / max(seen, 1), 4) for hit, seen in totals]
+    train_info = {"sequences": len(samples), "tokens": sum(len(s.ids) for s in samples), "steps": steps,
+                  "epochs": epoch, "depths": cfg.depths, "seconds": round(time.perf_counter() - start, 1),
+                  "heldout_top1_agreement": agreement[0], "heldout_agreement_per_depth": agreement}
     meta = MTPHeadMeta(os.path.basename(path), config.hidden_size, config.vocab_size, config.num_hidden_layers,
-                       train_info, draft_vocabulary(seqs, config.vocab_size, cfg.draft_vocab))
+                       train_info, vocab)
     directory = save_head(out_dir or default_head_dir(path), mtp.head_tensors(), meta)
-    logger.info("MTP head: %s (held-out top-1 agreement with the model %.3f, %d steps, %.0f s)", directory,
-                agreement, steps, train_info["seconds"])
+    logger.info("MTP head: %s (held-out agreement with the model's greedy tokens per depth %s, given the earlier "
+                "depths agreed; %d steps, %.0f s)", directory, agreement, steps, train_info["seconds"])
     return directory

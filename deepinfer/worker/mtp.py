@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.core.kv_layout import KVLayout
+from deepinfer.ops import quant_linear
 from deepinfer.layers.context import ForwardContext, forward_context
 from deepinfer.worker.inputs import RequestRows, _metadata
 
@@ -95,22 +96,24 @@ def _greedy_drafts(model, mtp, state: torch.Tensor, batch_invariant: bool) -> li
     vocab = mtp.draft_vocab
     if vocab is None:
         return model.compute_logits(state).argmax(dim=-1).tolist()
-    weight = getattr(mtp, "_draft_head", None)
-    if weight is None:
-        weight = mtp._draft_head = _head_rows(model, vocab)
-    if batch_invariant:  # one row per product: the same bits whatever else drafts this step
-        return [int(vocab[(row.float() @ weight.T).argmax()]) for row in state[:, None]]
-    return vocab[(state.float() @ weight.T).argmax(dim=-1)].tolist()
+    head = getattr(mtp, "_draft_head", None)
+    if head is None:
+        head = mtp._draft_head = _draft_head(model, vocab)
+    if isinstance(head, torch.Tensor):
+        if batch_invariant:  # one row per product: the same bits whatever else drafts this step
+            return [int(vocab[(row.float() @ head.T).argmax()]) for row in state[:, None]]
+        return vocab[(state.float() @ head.T).argmax(dim=-1)].tolist()
+    kernels, packed = head  # every row computed by the same code: batch-invariant as it is
+    return vocab[quant_linear.linear(kernels, state.float().contiguous(), packed).argmax(dim=-1)].tolist()
 
 
-def _head_rows(model, vocab: torch.Tensor) -> torch.Tensor:
-    """The LM head's rows for `vocab`, float32 (dequantized once when the head is quantized)."""
-    head = model.lm_head
-    weight = head.weight
+def _draft_head(model, vocab: torch.Tensor):
+    """The LM head's rows for `vocab`: float32, or, when the head is quantized, requantized to int8 for the
+    quantized kernel (a draft reads a quarter of the bytes; the rounding can cost acceptance, never correctness)."""
+    weight = model.lm_head.weight
     if isinstance(weight, torch.Tensor):
         return weight.detach()[vocab].float().contiguous()
-    from deepinfer.ops import quant_linear
-
-    if weight.packed is not None:
-        return quant_linear.rows(weight.kernels, vocab, weight.packed).contiguous()
-    return weight.dense[vocab].float().contiguous()
+    if weight.packed is None:
+        return weight.dense[vocab].float().contiguous()
+    rows = quant_linear.rows(weight.kernels, vocab, weight.packed)
+    return weight.kernels, quant_linear.pack(quant_linear.quantize_int8(rows.numpy()))

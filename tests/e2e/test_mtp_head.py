@@ -23,7 +23,7 @@ def tiny_with_head(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     save_tiny(transformers.LlamaForCausalLM, config, path, seed=5)
     head = train(str(path), str(tmp_path_factory.mktemp("head")),
-                 TrainConfig(num_prompts=24, gen_tokens=48, minutes=1.5, threads=1))
+                 TrainConfig(num_prompts=24, gen_tokens=48, minutes=1.5, threads=1, draft_vocab=64))
     return str(path), head
 
 
@@ -32,16 +32,23 @@ def test_train_mtp_writes_a_head_for_its_model(tiny_with_head):
     meta = json.load(open(os.path.join(head, "mtp.json")))
     assert meta["hidden_size"] == 64 and meta["vocab_size"] == 128 and meta["num_hidden_layers"] == 2
     assert meta["train"]["steps"] > 0 and 0 <= meta["train"]["heldout_top1_agreement"] <= 1
+    per_depth = meta["train"]["heldout_agreement_per_depth"]
+    assert len(per_depth) == meta["train"]["depths"] == 2 and all(0 <= a <= 1 for a in per_depth)
+    assert len(meta["draft_vocab"]) == 64 and meta["draft_vocab"] == sorted(set(meta["draft_vocab"]))
 
 
-def test_drafting_with_the_head_keeps_greedy_tokens(tiny_with_head):
+@pytest.mark.parametrize("quantization", [None, "int8"])  # int8: the draft head's rows run on the int8 kernel
+def test_drafting_with_the_head_keeps_greedy_tokens(tiny_with_head, quantization):
     path, head = tiny_with_head
     prompts = [[5, 17, 99, 3, 120, 11, 42], list(range(1, 40)), [7]]
-    plain = LLM(path, kv_cache_memory=8 << 20).generate(prompts, GREEDY, use_tqdm=False)
-    spec = LLM(path, kv_cache_memory=8 << 20, speculative_method="mtp", draft=head, enable_mtp_varlen=False)
+    plain = LLM(path, kv_cache_memory=8 << 20, quantization=quantization).generate(prompts, GREEDY, use_tqdm=False)
+    spec = LLM(path, kv_cache_memory=8 << 20, speculative_method="mtp", draft=head, enable_mtp_varlen=False,
+               quantization=quantization)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, GREEDY, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in plain]
     assert spec.engine.stats().spec_decode.num_draft_tokens > 0
+    draft_head = spec.engine.executor.model.mtp._draft_head
+    assert isinstance(draft_head, tuple) == (quantization == "int8")  # (kernels, packed int8 rows) or float rows
 
 
 def test_a_head_for_another_model_is_refused(tiny_with_head):
