@@ -14,6 +14,7 @@
 
 #include "kernels.h"
 #include "vexp.h"
+#include "attention_avx2.h"  // defines DI_ATTN_AVX2 and block_step_avx2 when it applies
 
 // One cached row of DIM values as float32: a float32 row is read in place; a bfloat16 row (the top half of each
 // float32's bits) is widened into `buffer`.
@@ -139,90 +140,6 @@ static inline void block_step_avx512(const float* __restrict__ qh, const KV* __r
   }
   for (int g = 0; g < GROUP; ++g)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * DIM + 16 * c, av[g][c]);
-}
-#endif
-
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-#define DI_ATTN_AVX2 1
-// softmax_segment with the maximum and the sum taken 8 scores at a time (then the tail one by one).
-static inline float softmax_segment8(float* __restrict__ sg, int64_t count, float& row_max, float& row_sum) {
-  __m256 m = _mm256_set1_ps(-INFINITY);
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sg + i));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-  float block_max = _mm_cvtss_f32(m4);
-  for (int64_t j = i; j < count; ++j) block_max = std::max(block_max, sg[j]);
-  const float new_max = std::max(row_max, block_max);
-  const float rescale = std::exp(row_max - new_max);
-  row_max = new_max;
-  exp_shifted(sg, count, new_max);
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t j = 0; j + 8 <= count; j += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(sg + j));
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  s4 = _mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1));
-  float total = _mm_cvtss_f32(s4);
-  for (int64_t j = i; j < count; ++j) total += sg[j];
-  row_sum = row_sum * rescale + total;
-  return rescale;
-}
-
-// One cached row chunk of 8 values as float32 (a bfloat16 chunk widened on the way in).
-static inline __m256 load8_kv(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8_kv(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(
-      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-
-// The 4 horizontal sums of v[0..4) (8 lanes each) as one 128-bit register, one fixed tree per register.
-static inline __m128 hsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));
-  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-// block_step for AVX2: keys 4 at a time, each head's query in registers, 4 partial-product registers summed by one
-// hsum4 into 4 scores (a head's arithmetic does not depend on the group: an item per query head gives the bits of an
-// item per KV head); values 8 dimensions at a time with the G accumulators of that chunk in registers.
-template <int DIM, int GROUP, typename KV>
-static inline void block_step_avx2(const float* __restrict__ qh, const KV* __restrict__ kb, const KV* __restrict__ vb,
-                                   int64_t count, int64_t stride, int64_t block_size, float scale,
-                                   float* __restrict__ scores, float* __restrict__ acc, float* __restrict__ row_max,
-                                   float* __restrict__ row_sum) {
-  constexpr int C = DIM / 8;
-  for (int g = 0; g < GROUP; ++g) {
-    const float* q = qh + g * DIM;
-    float* sg = scores + g * block_size;
-    for (int64_t i0 = 0; i0 < count; i0 += 4) {
-      const int n = (int)std::min<int64_t>(4, count - i0);
-      __m256 part[4];
-      for (int i = 0; i < 4; ++i) {
-        if (i < n) {
-          const KV* k = kb + (i0 + i) * stride;
-          __m256 p = _mm256_mul_ps(_mm256_loadu_ps(q), load8_kv(k));
-          for (int c = 1; c < C; ++c) p = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load8_kv(k + 8 * c), p);
-          part[i] = p;
-        } else {
-          part[i] = _mm256_setzero_ps();
-        }
-      }
-      alignas(16) float four[4];
-      _mm_store_ps(four, _mm_mul_ps(hsum4(part[0], part[1], part[2], part[3]), _mm_set1_ps(scale)));
-      for (int i = 0; i < n; ++i) sg[i0 + i] = four[i];
-    }
-  }
-  float rescale[GROUP];  // one rescale per segment
-  for (int g = 0; g < GROUP; ++g) rescale[g] = softmax_segment8(scores + g * block_size, count, row_max[g], row_sum[g]);
-  for (int c = 0; c < C; ++c) {
-    __m256 av[GROUP];
-    for (int g = 0; g < GROUP; ++g) av[g] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * DIM + 8 * c), _mm256_set1_ps(rescale[g]));
-    for (int64_t i = 0; i < count; ++i) {
-      const __m256 v = load8_kv(vb + i * stride + 8 * c);
-      for (int g = 0; g < GROUP; ++g) av[g] = _mm256_fmadd_ps(_mm256_set1_ps(scores[g * block_size + i]), v, av[g]);
-    }
-    for (int g = 0; g < GROUP; ++g) _mm256_storeu_ps(acc + g * DIM + 8 * c, av[g]);
-  }
 }
 #endif
 

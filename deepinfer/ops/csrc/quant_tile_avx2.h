@@ -1,0 +1,98 @@
+// Part of quant_linear.cpp, included there inside its anonymous namespace when the build has AVX2 but not
+// AVX-512 VNNI: tile() for AVX2, with AVX-VNNI's dpbusd or with maddubs. It uses load_i32 and prefetch_ahead
+// from quant_linear.cpp and follows the record layout and arithmetic described at the top of that file.
+template <typename ST> inline __m256 load8(const ST* p);
+template <> inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <> inline __m256 load8<uint16_t>(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Integer dot products without VNNI, the exact int32 sums VNNI's dpbusd gives. maddubs multiplies u8 by s8 and
+// adds pairs into saturating int16:
+// - 4-bit quants (0..15): a pair is at most 2 * 15 * 127 = 3810, so four pieces' products (8 maddubs, <= 30480) add
+//   up in int16 before one madd widens them;
+// - 8-bit quants u (0..255) would overflow a pair; u - 128 (u ^ 0x80) is a signed byte whose magnitude (<= 128)
+//   times a sign-adjusted x (<= 127) keeps a pair within 32512 (llama.cpp's trick), and the group's sum gets
+//   128 * sum(x) added back: sum u x = sum (u - 128) x + 128 sum x, exactly.
+#if !defined(DI_AVXVNNI)
+inline __m256i widen16(__m256i s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
+#endif
+
+template <int MT, int BITS, int G, typename ST, bool AFF>
+void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
+          const int32_t* xs, int64_t K, float* out, int64_t ldo) {
+  constexpr int QB = 16 * G * BITS / 8;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int half = 0; half < 2; ++half) {  // lanes 0-7, then 8-15
+    __m256 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+      const uint8_t* rec = q + g * QB + 32 * half;
+      const int64_t k0 = g * G;
+      if (half == 0) prefetch_ahead<QB>(q + g * QB, s + g * 16, AFF ? o + g * 16 : nullptr);
+      __m256i isum[MT];
+      for (int m = 0; m < MT; ++m) isum[m] = _mm256_setzero_si256();
+      int32_t xsum[MT];
+      for (int m = 0; m < MT; ++m)
+        xsum[m] = G == 32 ? xs[m * (K / 16) + 2 * g] + xs[m * (K / 16) + 2 * g + 1] : xs[m * (K / 16) + g];
+      if (BITS == 4) {
+#if defined(DI_AVXVNNI)
+        for (int p = 0; p < G / 8; ++p) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p));
+          const __m256i wl = _mm256_and_si256(w, low);
+          const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+          for (int m = 0; m < MT; ++m) {
+            const int8_t* x = xq + m * K + k0 + 8 * p;
+            isum[m] = _mm256_dpbusd_avx_epi32(isum[m], wl, _mm256_set1_epi32(load_i32(x)));
+            isum[m] = _mm256_dpbusd_avx_epi32(isum[m], wh, _mm256_set1_epi32(load_i32(x + 4)));
+          }
+        }
+#else
+        for (int p0 = 0; p0 < G / 8; p0 += 4) {
+          __m256i s16[MT];
+          for (int m = 0; m < MT; ++m) s16[m] = _mm256_setzero_si256();
+          for (int p = p0; p < std::min(p0 + 4, G / 8); ++p) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p));
+            const __m256i wl = _mm256_and_si256(w, low);
+            const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+            for (int m = 0; m < MT; ++m) {
+              const int8_t* x = xq + m * K + k0 + 8 * p;
+              s16[m] = _mm256_add_epi16(s16[m], _mm256_add_epi16(
+                  _mm256_maddubs_epi16(wl, _mm256_set1_epi32(load_i32(x))),
+                  _mm256_maddubs_epi16(wh, _mm256_set1_epi32(load_i32(x + 4)))));
+            }
+          }
+          for (int m = 0; m < MT; ++m) isum[m] = _mm256_add_epi32(isum[m], widen16(s16[m]));
+        }
+#endif
+      } else {
+#if defined(DI_AVXVNNI)
+        for (int p = 0; p < G / 4; ++p) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p));
+          for (int m = 0; m < MT; ++m)
+            isum[m] = _mm256_dpbusd_avx_epi32(isum[m], w, _mm256_set1_epi32(load_i32(xq + m * K + k0 + 4 * p)));
+        }
+#else
+        const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+        for (int p = 0; p < G / 4; ++p) {
+          const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p)), flip);
+          const __m256i wa = _mm256_abs_epi8(ws);
+          for (int m = 0; m < MT; ++m) {
+            const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xq + m * K + k0 + 4 * p)), ws);
+            isum[m] = _mm256_add_epi32(isum[m], widen16(_mm256_maddubs_epi16(wa, x)));
+          }
+        }
+        for (int m = 0; m < MT; ++m) isum[m] = _mm256_add_epi32(isum[m], _mm256_set1_epi32(128 * xsum[m]));
+#endif
+      }
+      const __m256 sv = load8(s + g * 16 + 8 * half);
+      const __m256 ov = AFF ? load8(o + g * 16 + 8 * half) : _mm256_mul_ps(sv, _mm256_set1_ps(c));
+      for (int m = 0; m < MT; ++m) {
+        const float d = xd[m * (K / 32) + k0 / 32];
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(sv, _mm256_set1_ps(d)), acc[m]);
+        acc[m] = _mm256_fmadd_ps(ov, _mm256_set1_ps(d * (float)xsum[m]), acc[m]);
+      }
+    }
+    for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo + 8 * half, acc[m]);
+  }
+}
