@@ -15,46 +15,21 @@ namespace {
 
 constexpr int kLanes = 16;  // independent partial sums per row: vectorisable without reassociating
 
-// act(gate) * up with the exp of vexp.h, the same operations 16 at a time and one at a time (the same bits).
+// act(gate) * up with the exp of vexp.h, written once for one value and for 8 or 16 lanes (the same operations in
+// the same order: the same bits in a vector body and in a row's scalar tail).
 // SiLU: g / (1 + exp(-g)); GELU (tanh form): 0.5 g (1 + tanh(c0 (g + c1 g^3))), tanh(y) = 1 - 2 / (exp(2y) + 1).
 constexpr float kGelu0 = 0.7978845608028654f, kGelu1 = 0.044715f;
 
-inline float silu1(float g, float u) { return g / (1.f + exp_approx(-g)) * u; }
+template <typename V>
+inline V silu(V g, V u) { return g / (1.f + exp_lanes(-g)) * u; }
 
-inline float gelu1(float g, float u) {
-  const float g3 = g * g * g;
-  const float y = kGelu0 * (g + kGelu1 * g3);
-  const float t = 1.f - 2.f / (exp_approx(2.f * y) + 1.f);
+template <typename V>
+inline V gelu(V g, V u) {
+  const V g3 = g * g * g;
+  const V y = kGelu0 * (g + kGelu1 * g3);
+  const V t = 1.f - 2.f / (exp_lanes(2.f * y) + 1.f);
   return 0.5f * g * (1.f + t) * u;
 }
-
-#if defined(__AVX512F__)
-inline __m512 silu16(__m512 g, __m512 u) {
-  const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), u);
-}
-
-inline __m512 gelu16(__m512 g, __m512 u) {
-  const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
-  const __m512 y = _mm512_mul_ps(_mm512_set1_ps(kGelu0), _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(kGelu1), g3)));
-  const __m512 e = exp_approx16(_mm512_mul_ps(_mm512_set1_ps(2.f), y));
-  const __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.f), _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
-  return _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(_mm512_set1_ps(1.f), t)), u);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-inline __m256 silu8(__m256 g, __m256 u) {  // silu1's operations, 8 values at a time
-  const __m256 e = exp_approx8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), u);
-}
-
-inline __m256 gelu8(__m256 g, __m256 u) {
-  const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
-  const __m256 y = _mm256_mul_ps(_mm256_set1_ps(kGelu0), _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(kGelu1), g3)));
-  const __m256 e = exp_approx8(_mm256_mul_ps(_mm256_set1_ps(2.f), y));
-  const __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.f), _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, _mm256_set1_ps(1.f))));
-  return _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), _mm256_add_ps(_mm256_set1_ps(1.f), t)), u);
-}
-#endif
 
 inline float sum_squares(const float* x, int64_t n) {
   float part[kLanes] = {0.f};
@@ -83,15 +58,15 @@ void act_row(const float* g, const float* u, float* o, int64_t I, int64_t act) {
 #if defined(__AVX512F__)
   for (; i + 16 <= I; i += 16) {
     const __m512 v = _mm512_loadu_ps(g + i), w = _mm512_loadu_ps(u + i);
-    _mm512_storeu_ps(o + i, act == 0 ? silu16(v, w) : gelu16(v, w));
+    _mm512_storeu_ps(o + i, act == 0 ? silu(v, w) : gelu(v, w));
   }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(DI_VEXP_AVX2)
   for (; i + 8 <= I; i += 8) {
     const __m256 v = _mm256_loadu_ps(g + i), w = _mm256_loadu_ps(u + i);
-    _mm256_storeu_ps(o + i, act == 0 ? silu8(v, w) : gelu8(v, w));
+    _mm256_storeu_ps(o + i, act == 0 ? silu(v, w) : gelu(v, w));
   }
 #endif
-  for (; i < I; ++i) o[i] = act == 0 ? silu1(g[i], u[i]) : gelu1(g[i], u[i]);
+  for (; i < I; ++i) o[i] = act == 0 ? silu(g[i], u[i]) : gelu(g[i], u[i]);
 }
 
 void rotary_row(float* base, int64_t heads, int64_t D, const float* c, const float* s, int64_t half) {

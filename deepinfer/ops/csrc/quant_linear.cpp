@@ -83,6 +83,13 @@ inline int quant_at(const uint8_t* rec, int j, int i) {
   return (i % 8) < 4 ? (b & 0x0F) : (b >> 4);
 }
 
+// sum(xq) over group g of activation row m: one 16-value sum, or two for 32-value groups.
+template <int G>
+inline int32_t group_xsum(const int32_t* xs, int64_t m, int64_t K, int64_t g) {
+  const int32_t* row = xs + m * (K / 16);
+  return G == 32 ? row[2 * g] + row[2 * g + 1] : row[g];
+}
+
 #if defined(DI_AVX512) || defined(DI_AVX2)
 // The weights stream from memory once per token: ask for the records kPrefetch groups ahead (past this block's
 // last group lies the next block's first, contiguous), so the memory system works ahead of the dot products.
@@ -143,8 +150,7 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
     const __m512 ov = AFF ? load16(o + g * 16) : _mm512_mul_ps(sv, _mm512_set1_ps(c));
     for (int m = 0; m < MT; ++m) {
       const float d = xd[m * (K / 32) + k0 / 32];
-      const int32_t xsum = G == 32 ? xs[m * (K / 16) + 2 * g] + xs[m * (K / 16) + 2 * g + 1]
-                                   : xs[m * (K / 16) + g];
+      const int32_t xsum = group_xsum<G>(xs, m, K, g);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(sv, _mm512_set1_ps(d)), acc[m]);
       acc[m] = _mm512_fmadd_ps(ov, _mm512_set1_ps(d * (float)xsum), acc[m]);
     }
@@ -170,8 +176,7 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
         const float sv = scalar_of(s, (int)(g * 16 + j));
         const float ov = AFF ? scalar_of(o, (int)(g * 16 + j)) : sv * c;
         const float d = xd[m * (K / 32) + g * G / 32];
-        const int32_t xsum = G == 32 ? xs[m * (K / 16) + 2 * g] + xs[m * (K / 16) + 2 * g + 1]
-                                     : xs[m * (K / 16) + g];
+        const int32_t xsum = group_xsum<G>(xs, m, K, g);
         acc = std::fma((float)isum, sv * d, acc);
         acc = std::fma(ov, d * (float)xsum, acc);
       }

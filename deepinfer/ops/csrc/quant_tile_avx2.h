@@ -1,6 +1,6 @@
 // Part of quant_linear.cpp, included there inside its anonymous namespace when the build has AVX2 but not
-// AVX-512 VNNI: tile() for AVX2, with AVX-VNNI's dpbusd or with maddubs. It uses load_i32 and prefetch_ahead
-// from quant_linear.cpp and follows the record layout and arithmetic described at the top of that file.
+// AVX-512 VNNI: tile() for AVX2, with AVX-VNNI's dpbusd or with maddubs. It uses load_i32, group_xsum and
+// prefetch_ahead from quant_linear.cpp and follows the record layout and arithmetic described at its top.
 template <typename ST> inline __m256 load8(const ST* p);
 template <> inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
 template <> inline __m256 load8<uint16_t>(const uint16_t* p) {
@@ -33,8 +33,7 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
       __m256i isum[MT];
       for (int m = 0; m < MT; ++m) isum[m] = _mm256_setzero_si256();
       int32_t xsum[MT];
-      for (int m = 0; m < MT; ++m)
-        xsum[m] = G == 32 ? xs[m * (K / 16) + 2 * g] + xs[m * (K / 16) + 2 * g + 1] : xs[m * (K / 16) + g];
+      for (int m = 0; m < MT; ++m) xsum[m] = group_xsum<G>(xs, m, K, g);
       if (BITS == 4) {
 #if defined(DI_AVXVNNI)
         for (int p = 0; p < G / 8; ++p) {
