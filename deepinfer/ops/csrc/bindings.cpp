@@ -1,5 +1,7 @@
 // One extension module for deepinfer's compiled CPU ops (ops/cpu_ops.py builds it).
 
+#include <torch/extension.h>
+
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

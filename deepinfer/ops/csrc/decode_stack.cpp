@@ -1,4 +1,5 @@
 // DecodeStack (ops.h): a decode step's decoder layers in one call from Python and one parallel region.
+#include <ATen/Parallel.h>
 #include <omp.h>
 
 #include <cstring>

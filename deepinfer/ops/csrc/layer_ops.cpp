@@ -1,7 +1,7 @@
 // The per-layer work between matmuls, fused: one call instead of five to ten small torch ops each. float32.
 // Every row is computed on its own, in an order fixed by its width: results do not depend on the batch, the
 // thread count or the tile a row falls in.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>

@@ -12,7 +12,7 @@
 //   acc += float(isum) * (scale * d) ; acc += offset * (d * float(xsum))        isum = sum u * xq (exact, int32)
 // Every output row of every activation row runs exactly this sequence, whatever M, the tile it falls in or the
 // thread that runs it: a row's result does not depend on the rest of the batch (batch invariance).
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>

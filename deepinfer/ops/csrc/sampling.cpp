@@ -1,6 +1,6 @@
 // Greedy sampling's reduction: the argmax of each row of [N, V] float32 logits, as torch.argmax defines it (the
 // first index of the largest value; a row holding NaN gives its first NaN), rows shared by the threads.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
