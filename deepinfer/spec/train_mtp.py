@@ -174,6 +174,22 @@ def draft_vocabulary(seqs: list[list[int]], vocab_size: int, size: int) -> list[
     return sorted(order[:size])
 
 
+def split_by_prompt(prompts: list[list[int]], fraction: float) -> tuple[list[int], list[int]]:
+    """Held-out and training answer indices: whole prompts are held out (no answer to a held prompt trains), taken in
+    order of first appearance (the first answers are greedy, as a greedy request drafts) until at least `fraction`
+    of the answers are held; every answer to any other prompt trains."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(tuple(p), []).append(i)
+    want, held = max(1, math.ceil(len(prompts) * fraction)), []
+    for members in groups.values():
+        if len(held) >= want:
+            break
+        held.extend(members)
+    held_set = set(held)
+    return sorted(held), [i for i in range(len(prompts)) if i not in held_set]
+
+
 def _loss(mtp: TrainableMTP, s: Sample, depths: int) -> tuple[torch.Tensor, list[float]]:
     """Cross-entropy against the model's distribution over the draft vocabulary, depth d weighted 1 / d, and each
     depth's top-1 agreement with the model's greedy token on the generated rows (in order: given the chain so far
@@ -214,12 +230,7 @@ def train(model: str | None, out_dir: str | None, cfg: TrainConfig) -> str:
     vocab = draft_vocabulary([s.ids.tolist() for s in samples], config.vocab_size, cfg.draft_vocab)
     mtp = TrainableMTP(hf, torch.tensor(vocab) if vocab else None)
     del hf
-    # held out: the first answers (greedy ones, as a greedy request drafts), and no answer to their prompts trains
-    cut = max(1, int(len(samples) * cfg.holdout))
-    held = list(range(cut))
-    held_prompts = {tuple(samples[i].ids[: samples[i].prompt_len].tolist()) for i in held}
-    train_idx = [i for i in range(cut, len(samples))
-                 if tuple(samples[i].ids[: samples[i].prompt_len].tolist()) not in held_prompts]
+    held, train_idx = split_by_prompt([s.ids[: s.prompt_len].tolist() for s in samples], cfg.holdout)
     params = [p for _, p in mtp.named_parameters()]
     optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     deadline = start + 60 * cfg.minutes - 60  # leave a minute to evaluate and save
@@ -259,7 +270,8 @@ def train(model: str | None, out_dir: str | None, cfg: TrainConfig) -> str:
                 totals[d][0] += hit
                 totals[d][1] += seen
     agreement = [round(hit / max(seen, 1), 4) for hit, seen in totals]
-    train_info = {"sequences": len(samples), "tokens": sum(len(s.ids) for s in samples), "steps": steps,
+    train_info = {"sequences": len(samples), "heldout_sequences": len(held),
+                  "tokens": sum(len(s.ids) for s in samples), "steps": steps,
                   "epochs": epoch, "depths": cfg.depths, "seconds": round(time.perf_counter() - start, 1),
                   "heldout_top1_agreement": agreement[0], "heldout_agreement_per_depth": agreement}
     meta = MTPHeadMeta(os.path.basename(path), config.hidden_size, config.vocab_size, config.num_hidden_layers,

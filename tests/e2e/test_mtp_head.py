@@ -8,7 +8,7 @@ import transformers
 
 from deepinfer import SamplingParams
 from deepinfer.llm import LLM
-from deepinfer.spec.train_mtp import TrainConfig, train
+from deepinfer.spec.train_mtp import TrainConfig, split_by_prompt, train
 
 from ..models.hf_reference import save_tiny
 
@@ -25,6 +25,15 @@ def tiny_with_head(tmp_path_factory):
     head = train(str(path), str(tmp_path_factory.mktemp("head")),
                  TrainConfig(num_prompts=24, gen_tokens=48, minutes=1.5, threads=1, draft_vocab=64))
     return str(path), head
+
+
+def test_holdout_takes_whole_prompts_and_every_other_answer_trains():
+    prompts = [[1], [2], [1], [3], [2], [1], [4], [5], [3], [4]]
+    held, train_idx = split_by_prompt(prompts, 0.2)  # 2 answers wanted: prompt [1]'s three are held, whole
+    assert held == [0, 2, 5] and train_idx == [1, 3, 4, 6, 7, 8, 9]
+    held, train_idx = split_by_prompt(prompts, 0.4)  # 4 wanted: [1] then [2] (in order of first appearance)
+    assert held == [0, 1, 2, 4, 5] and train_idx == [3, 6, 7, 8, 9]
+    assert not {tuple(prompts[i]) for i in held} & {tuple(prompts[i]) for i in train_idx}
 
 
 def test_train_mtp_writes_a_head_for_its_model(tiny_with_head):
