@@ -26,6 +26,8 @@ KV = 256 << 20
 SMALL_BUDGET = 40  # tokens per step: prompts are cut into other chunks than under the default 2048
 PROMPT_LENS = [9, 14, 21, 30, 40, 47, 55, 64, 70, 77, 85, 93, 100, 110, 120, 130, 145, 160, 170, 190]  # 20 targets
 MAX_TOKENS = 5
+# the batch, budget and prefix scenarios run half the targets, greedy and sampled, short to long (the suite's time)
+MIXED = [0, 1, 4, 5, 8, 9, 12, 13, 18, 19]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
 _ids = itertools.count()
@@ -113,13 +115,18 @@ def after_prefix_hit(llm: LLM, target: Target, salt: str) -> Result:
 
 
 def scenarios(llm: LLM, small_budget: LLM, targets: list[Target]) -> dict[str, list[Result]]:
+    """Every target alone (the golden file's tokens); the MIXED ones also in the other scenarios, in the same order
+    as in runs["mixed alone"]."""
     runs = {name: [] for name in ("alone", "crowd", "small budget", "crowd, small budget", "prefix hit")}
     for i, target in enumerate(targets):
         runs["alone"].append(alone(llm, target, f"a{i}"))
+        if i not in MIXED:
+            continue
         runs["crowd"].append(in_crowd(llm, target, f"b{i}", seed=i))
         runs["small budget"].append(alone(small_budget, target, f"c{i}"))
         runs["crowd, small budget"].append(in_crowd(small_budget, target, f"d{i}", seed=100 + i))
         runs["prefix hit"].append(after_prefix_hit(llm, target, f"e{i}"))
+    runs["mixed alone"] = [runs["alone"][i] for i in MIXED]
     return runs
 
 
@@ -148,14 +155,16 @@ def invariant_runs(invariant, invariant_small_budget, targets):
 
 @pytest.mark.parametrize("scenario", ["crowd", "small budget", "crowd, small budget", "prefix hit"])
 def test_tokens_and_logprobs_are_bitwise_identical(invariant_runs, scenario):
-    for i, (want, got) in enumerate(zip(invariant_runs["alone"], invariant_runs[scenario])):
+    assert len(invariant_runs[scenario]) == len(MIXED)
+    for i, want, got in zip(MIXED, invariant_runs["mixed alone"], invariant_runs[scenario]):
         assert got.token_ids == want.token_ids, f"target {i} ({scenario}): tokens differ"
         assert got.logprobs == want.logprobs, f"target {i} ({scenario}): logprobs differ"
 
 
 def test_prefix_hit_scenario_really_hits(invariant_runs):
     assert all(r.cached == 0 for r in invariant_runs["alone"])
-    assert all(r.cached > 0 for r, n in zip(invariant_runs["prefix hit"], PROMPT_LENS) if n * 7 // 10 >= 16)
+    lens = [PROMPT_LENS[i] for i in MIXED]
+    assert all(r.cached > 0 for r, n in zip(invariant_runs["prefix hit"], lens) if n * 7 // 10 >= 16)
 
 
 def test_thread_count_does_not_change_outputs(invariant, targets, invariant_runs):
@@ -200,9 +209,9 @@ def test_measure_how_often_outputs_differ_without_the_switch(targets, record_pro
     runs = scenarios(llm, small, targets)
     report = {}
     for scenario, results in runs.items():
-        if scenario == "alone":
+        if scenario in ("alone", "mixed alone"):
             continue
-        pairs = list(zip(runs["alone"], results))
+        pairs = list(zip(runs["mixed alone"], results))
         report[scenario] = {
             "tokens_differ": sum(a.token_ids != b.token_ids for a, b in pairs),
             "logprobs_differ": sum(a.logprobs != b.logprobs for a, b in pairs),
@@ -213,9 +222,9 @@ def test_measure_how_often_outputs_differ_without_the_switch(targets, record_pro
         print(f"\nbatch_invariant=False, differences from running alone: {json.dumps(report)}")
     assert set(report) == {"crowd", "small budget", "crowd, small budget", "prefix hit"}
     for scenario, counts in report.items():
-        assert counts["targets"] == len(targets), scenario
+        assert counts["targets"] == len(MIXED), scenario
         assert counts["tokens_differ"] <= counts["logprobs_differ"] <= counts["targets"], (scenario, counts)
-    assert all(r.cached > 0 for r, n in zip(runs["prefix hit"], PROMPT_LENS) if n * 7 // 10 >= 16)
+    assert all(r.cached > 0 for r, n in zip(runs["prefix hit"], [PROMPT_LENS[i] for i in MIXED]) if n * 7 // 10 >= 16)
     assert all(r.cached == 0 for r in runs["alone"])
     for i, target in enumerate(targets[:3]):  # the control: alone again, in a prefix cache of its own
         assert alone(llm, target, f"control{i}") == runs["alone"][i], f"target {i} alone twice differs"
