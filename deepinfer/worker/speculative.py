@@ -12,7 +12,7 @@ every sequence drafts exactly k (as many as the proposer finds).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from deepinfer.sample.sampler import Sampler, SamplingRow
 from deepinfer.spec.ngram import propose_ngram
 
 EMA = 0.7  # weight of the past in a sequence's acceptance estimate
+RELAX = 0.05  # per step, how far a position not drafted drifts back to the prior
 PROBE_EVERY = 8  # steps between one-token probes of a sequence that stopped drafting, alone (more in a batch)
 # A decode step of R rows costs FIXED_ROWS + max(WEIGHT_ROWS, LINEAR_SHARE * R) + (1 - LINEAR_SHARE) * R
 # + PASS_ROWS * (ceil(R / TILE_ROWS) - 1), in units of one row's compute: the layers' weights stream in WEIGHT_ROWS
@@ -48,13 +49,23 @@ def step_cost(rows: int) -> float:
 
 @dataclass
 class DraftState:
-    """Per sequence: its acceptance estimate and how long it has gone without drafting; a shadow probe's guess at
-    its next token (checked against the token it then samples, no row spent)."""
+    """Per sequence: its acceptance estimates and how long it has gone without drafting; a shadow probe's guess at
+    its next token (checked against the token it then samples, no row spent).
 
-    acceptance: float = 0.6
+    Acceptance is kept per draft position, conditional on the drafts before it being accepted (what verification
+    observes): an MTP head's second draft is accepted far less often than its first, an n-gram's later drafts more
+    often once the first matched. A position not yet observed starts at `acceptance`; one that is no longer drafted
+    drifts back towards it, so it is tried again."""
+
+    acceptance: float = 0.6  # the prior of every position
+    per_position: list[float] = field(default_factory=list)
     idle_steps: int = 0
     probe: bool = False  # a probe is due after this step
     shadow: int | None = None
+
+    def rate(self, position: int) -> float:
+        """Probability that the draft at `position` (0-based) is accepted, given the ones before it were."""
+        return self.per_position[position] if position < len(self.per_position) else self.acceptance
 
 
 def draft_rows(base: SamplingRow, drafts: Sequence[int], masks: Sequence[torch.Tensor | None]) -> list[SamplingRow]:
@@ -83,8 +94,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, base: SamplingRow, drafts: Se
 def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftState],
                        shadow_probes: bool = False) -> list[int]:
     """How many tokens each of a step's sampling sequences drafts next: k each without varlen; with it, the drafts
-    that raise the step's expected tokens per unit of time. The j-th draft of a sequence with acceptance a is
-    accepted with probability a^j; candidates are taken best first while that beats the step's current tokens per
+    that raise the step's expected tokens per unit of time. The j-th draft of a sequence is accepted with the
+    product of its conditional rates up to j (a^j where every position has rate a); candidates are taken best first while that beats the step's current tokens per
     row-cost, E * (cost(R + 1) - cost(R)) / cost(R) with E the expected tokens and R the rows so far (the bar is
     ~0.08 alone while the rows are memory-bound, ~0.88 inside a tile of 8-16 sequences, above 1 where a draft
     would start a new tile, ~0.97 at 32). A sequence left at none probes with one token now and then,
@@ -95,7 +106,7 @@ def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftSta
         return [k] * len(states)
     batch = len(states)
     lengths = [0] * batch
-    candidates = sorted(((-(st.acceptance ** j), j, i) for i, st in enumerate(states) for j in range(1, k + 1)))
+    candidates = sorted((-p, j, i) for i, st in enumerate(states) for j, p in enumerate(_chain(st, k), start=1))
     rows, expected, cost = batch, float(batch), step_cost(batch)
     for neg_p, _, i in candidates:
         more = step_cost(rows + 1)
@@ -117,10 +128,27 @@ def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftSta
     return lengths
 
 
+def _chain(state: DraftState, k: int) -> list[float]:
+    """Probability that each of k drafts is accepted: the product of the conditional rates up to it."""
+    out, p = [], 1.0
+    for j in range(k):
+        p *= state.rate(j)
+        out.append(p)
+    return out
+
+
 def record_acceptance(state: DraftState, drafted: int, accepted: int) -> None:
-    if drafted:
-        rate = accepted / drafted
-        state.acceptance = EMA * state.acceptance + (1 - EMA) * rate
+    """A verification's outcome: drafts before the first rejection were accepted, the rejected one observed as a
+    miss, later ones not observed at all."""
+    if not drafted:
+        return
+    rates = state.per_position
+    for j in range(len(rates), drafted):
+        rates.append(state.acceptance)
+    for j in range(min(drafted, accepted + 1)):
+        rates[j] = EMA * rates[j] + (1 - EMA) * float(j < accepted)
+    for j in range(drafted, len(rates)):  # not drafted this time: back towards the prior, to be tried again
+        rates[j] += RELAX * (state.acceptance - rates[j])
 
 
 def check_shadow(state: DraftState, token: int) -> None:

@@ -1,9 +1,10 @@
-"""The varlen draft plan: a step's drafts are taken best first (acceptance^j) while they raise the expected tokens
+"""The varlen draft plan: a step's drafts are taken best first (acceptance per position, chained) while they raise the expected tokens
 per unit of step cost (worker/speculative.py: step_cost)."""
 import pytest
 
 from deepinfer.config import SpecConfig
-from deepinfer.worker.speculative import PROBE_EVERY, DraftState, check_shadow, plan_draft_lengths, step_cost
+from deepinfer.worker.speculative import (PROBE_EVERY, DraftState, check_shadow, plan_draft_lengths,
+                                          record_acceptance, step_cost)
 
 SPEC = SpecConfig(speculative_method="ngram", num_speculative_tokens=5)
 
@@ -63,6 +64,26 @@ def test_shadow_probes_spend_no_row_and_check_a_guess_against_the_sampled_token(
     state = states[0]
     state.shadow = 7
     check_shadow(state, 7)  # the guess was right: one draft, accepted
-    assert state.acceptance == pytest.approx(0.7 * 0.5 + 0.3) and state.shadow is None
+    assert state.rate(0) == pytest.approx(0.7 * 0.5 + 0.3) and state.shadow is None
     check_shadow(state, 7)  # no guess pending: nothing recorded
-    assert state.acceptance == pytest.approx(0.65)
+    assert state.rate(0) == pytest.approx(0.65)
+
+
+def test_acceptance_is_kept_per_position_so_a_first_draft_that_pays_is_not_dragged_down_by_the_second():
+    state = DraftState(acceptance=0.5)
+    for _ in range(30):  # the first draft accepted 3 times in 4, the second never
+        for first in (True, True, True, False):
+            record_acceptance(state, 2, 1 if first else 0)
+    assert state.rate(0) == pytest.approx(0.75, abs=0.2) and state.rate(1) < 0.01
+    assert plan_draft_lengths(SPEC, True, [state]) == [1]  # the mean (0.375 a draft) would have planned 2
+    for _ in range(60):  # drafting one at a time: the second position drifts back to the prior, to be tried again
+        record_acceptance(state, 1, 1)
+    assert state.rate(1) > 0.45 and plan_draft_lengths(SPEC, True, [state])[0] >= 2
+
+
+def test_later_positions_are_only_observed_after_the_earlier_ones_were_accepted():
+    state = DraftState(acceptance=0.5)
+    record_acceptance(state, 3, 0)  # the first draft rejected: the second and third say nothing
+    assert state.per_position == pytest.approx([0.35, 0.5, 0.5])
+    record_acceptance(state, 3, 3)
+    assert state.per_position == pytest.approx([0.545, 0.65, 0.65])
