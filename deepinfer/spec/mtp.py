@@ -43,6 +43,7 @@ class MTPLayer(nn.Module):
         self.block = block
         self.shared_head = SharedHead(hidden_size, eps)
         self.cache_shape = cache_shape  # (kv heads, K dim, V dim) per token of the block's attention
+        self.decode_stack = None  # decode rows through the block and the output norm in one compiled call
 
     @property
     def cache_index(self) -> int:
@@ -51,6 +52,10 @@ class MTPLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))
+        if self.decode_stack is not None:
+            out = self.decode_stack(x, positions)  # None: rows that are not all decode rows
+            if out is not None:
+                return out
         return self.shared_head.norm(self.block(positions, x))
 
 

@@ -1,7 +1,7 @@
 """The fused-glue transform: norms, gated activations, rotary embeddings and KV cache writes of a built model
 compute through the compiled CPU ops (ops/csrc/layer_ops.cpp), one call each instead of several torch ops; and a
 Llama-family or Gemma 3 model on quantized weights gets its decode stack (layers/decode_stack.py): a decode-only step's
-layers in one call.
+layers in one call; so does an MTP draft layer whose block is such a layer (its drafting rows in one call).
 
 Rotary and the cache write give the same bits as the torch ops they replace. The norm and the activation round
 differently (a fixed per-row order, C exp / tanh), so the batch-invariant mode, whose reproducibility promise is
@@ -23,6 +23,7 @@ from deepinfer.layers.quantized import QuantizedLinear
 from deepinfer.layers.rotary import RotaryEmbedding
 from deepinfer.models.gemma3 import Gemma3DecoderLayer, Gemma3MLP, Gemma3Model
 from deepinfer.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
+from deepinfer.spec.mtp import MTPLayer
 
 logger = logging.getLogger("deepinfer")
 
@@ -42,6 +43,11 @@ def enable_fused_ops(model: nn.Module, ops: ModuleType, exact_only: bool = False
                 why = _stack_blocker(layers, module.norm)
                 module.decode_stack = None if why else DecodeStack(ops, layers, module.norm)
                 logger.info("decode stack (decode steps' layers in one compiled call): %s", why or "on")
+            elif isinstance(module, MTPLayer):  # a draft head's block and its output norm, the same way
+                parts = [_parts(module.block)]
+                why = _stack_blocker(parts, module.shared_head.norm)
+                module.decode_stack = None if why else DecodeStack(ops, parts, module.shared_head.norm)
+                logger.info("MTP layer's decode stack: %s", why or "on")
     return changed
 
 

@@ -8,7 +8,9 @@ p + 1, so its KV lands at position p, exactly where the main model's is, and onl
 rejected drafts never get MTP KV. The last such row of a sampling request predicts the first draft; deeper drafts
 apply the layer again to its own output and the previous draft, one row per request at the next position
 (DeepSeek's recursive use of one MTP layer); that speculative KV is rewritten once the position is computed.
-Drafts are greedy: deterministic proposals, verified as one-hot drafts (lossless either way).
+Drafts are greedy: deterministic proposals, verified as one-hot drafts (lossless either way). A decoding request's
+rows are decode rows (one query each, as verification's are), so a step without prompt chunks runs each depth
+through the MTP layer's decode stack (transforms/fused_ops.py) where the model has one.
 """
 from __future__ import annotations
 
@@ -37,20 +39,23 @@ def mtp_drafts(model, mtp, requests: list[RequestRows], hidden: torch.Tensor, to
             count -= 1  # a prompt chunk's last row: its next token is not known yet
         if count <= 0:
             continue
-        rows.append(RequestRows(r.request_id, len(hidden_rows), count, [], r.start, r.samples))
+        if r.samples and r.num_known == 1:  # a decoding request's token and accepted drafts: decode rows
+            rows.append(RequestRows(r.request_id, len(hidden_rows), 1, [0] * (count - 1), r.start, True))
+        else:
+            rows.append(RequestRows(r.request_id, len(hidden_rows), count, [], r.start, r.samples))
         hidden_rows += range(r.first_row, r.first_row + count)
         next_tokens += token_ids[r.request_id][r.start + 1 : r.start + 1 + count]
     if not rows:
         return {}
-    rows.sort(key=lambda r: (r.num_known != 1, -r.start))  # the metadata's order: single rows first
-    order = [i for r in rows for i in range(r.first_row, r.first_row + r.num_known)]
+    rows.sort(key=lambda r: (r.num_known != 1, -r.start))  # the metadata's order: decode rows first
+    order = [i for r in rows for i in range(r.first_row, r.first_row + _count(r))]
     first = 0
     for r in rows:
-        r.first_row, first = first, first + r.num_known
+        r.first_row, first = first, first + _count(r)
     index = torch.tensor(order, device=device)
     h_index = torch.tensor(hidden_rows, device=device)[index]
     tokens = torch.tensor(next_tokens, dtype=torch.int64, device=device)[index]
-    positions = torch.cat([torch.arange(r.start, r.start + r.num_known) for r in rows]).to(device)
+    positions = torch.cat([torch.arange(r.start, r.start + _count(r)) for r in rows]).to(device)
     env = (kv_caches, block_size, device, batch_invariant, cpu_kernels)
     out = _run(model, mtp, 0, rows, positions, tokens, hidden[h_index], tables, env)
 
@@ -58,8 +63,8 @@ def mtp_drafts(model, mtp, requests: list[RequestRows], hidden: torch.Tensor, to
     if not drafting:
         return {}
     drafts: dict[str, list[int]] = {r.request_id: [] for r in drafting}
-    last = torch.tensor([r.first_row + r.num_known - 1 for r in drafting], device=device)
-    state, pos = out[last], torch.tensor([r.start + r.num_known - 1 for r in drafting], device=device)
+    last = torch.tensor([r.first_row + _count(r) - 1 for r in drafting], device=device)
+    state, pos = out[last], torch.tensor([r.start + _count(r) - 1 for r in drafting], device=device)
     for depth in range(max((lengths[r.request_id] for r in drafting), default=0)):
         picks = _greedy_drafts(model, mtp, state, batch_invariant)
         for r, token in zip(drafting, picks):
@@ -76,13 +81,18 @@ def mtp_drafts(model, mtp, requests: list[RequestRows], hidden: torch.Tensor, to
     return drafts
 
 
+def _count(r: RequestRows) -> int:
+    """The rows of a request: its known tokens and the rows after them (here: a decoding request's accepted ones)."""
+    return r.num_known + len(r.drafts)
+
+
 def _run(model, mtp, depth: int, rows: list[RequestRows], positions: torch.Tensor, tokens: torch.Tensor,
          hidden: torch.Tensor, tables, env) -> torch.Tensor:
-    """One MTP depth over `rows` (single rows first), its KV written at their positions."""
+    """One MTP depth over `rows` (decode rows first), its KV written at their positions."""
     kv_caches, block_size, device, batch_invariant, cpu_kernels = env
     pos = positions.cpu().numpy()
-    spans = [pos[r.first_row : r.first_row + r.num_known] for r in rows]
-    num_decodes = sum(1 for r in rows if r.num_known == 1)
+    spans = [pos[r.first_row : r.first_row + _count(r)] for r in rows]
+    num_decodes = sum(_count(r) for r in rows if r.num_known == 1)
     md = _metadata([tables[r.request_id][0] for r in rows], rows, spans, pos, num_decodes, None, block_size, device)
     ctx = ForwardContext(attn=md, kv_caches=kv_caches, positions=positions, batch_invariant=batch_invariant,
                          cpu_kernels=cpu_kernels)

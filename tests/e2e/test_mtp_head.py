@@ -17,8 +17,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny_with_head(tmp_path_factory):
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    # head dim 64: quantized, the MTP layer drafts through its decode stack
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
                                       tie_word_embeddings=True)
     path = tmp_path_factory.mktemp("tiny-llama")
     save_tiny(transformers.LlamaForCausalLM, config, path, seed=5)
@@ -39,7 +40,7 @@ def test_holdout_takes_whole_prompts_and_every_other_answer_trains():
 def test_train_mtp_writes_a_head_for_its_model(tiny_with_head):
     _, head = tiny_with_head
     meta = json.load(open(os.path.join(head, "mtp.json")))
-    assert meta["hidden_size"] == 64 and meta["vocab_size"] == 128 and meta["num_hidden_layers"] == 2
+    assert meta["hidden_size"] == 128 and meta["vocab_size"] == 128 and meta["num_hidden_layers"] == 2
     assert meta["train"]["steps"] > 0 and 0 <= meta["train"]["heldout_top1_agreement"] <= 1
     per_depth = meta["train"]["heldout_agreement_per_depth"]
     assert len(per_depth) == meta["train"]["depths"] == 2 and all(0 <= a <= 1 for a in per_depth)
@@ -53,8 +54,18 @@ def test_drafting_with_the_head_keeps_greedy_tokens(tiny_with_head, quantization
     plain = LLM(path, kv_cache_memory=8 << 20, quantization=quantization).generate(prompts, GREEDY, use_tqdm=False)
     spec = LLM(path, kv_cache_memory=8 << 20, speculative_method="mtp", draft=head, enable_mtp_varlen=False,
                quantization=quantization)
+    layer, stacked = spec.engine.executor.model.mtp.layers[0], []
+    assert (layer.decode_stack is not None) == (quantization == "int8")
+    if layer.decode_stack is not None:  # count the depths that ran through it
+        stack = layer.decode_stack
+
+        def counted(x, positions):
+            stacked.append(stack(x, positions))
+            return stacked[-1]
+        layer.decode_stack = counted
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, GREEDY, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in plain]
+    assert (sum(out is not None for out in stacked) > 0) == (quantization == "int8")
     assert spec.engine.stats().spec_decode.num_draft_tokens > 0
     draft_head = spec.engine.executor.model.mtp._draft_head
     assert isinstance(draft_head, tuple) == (quantization == "int8")  # (kernels, packed int8 rows) or float rows
