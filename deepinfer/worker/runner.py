@@ -20,8 +20,8 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.worker.inputs import RequestRows, build_inputs
 from deepinfer.worker.mtp import mtp_drafts
 from deepinfer.sample.rejection import verify_greedy
-from deepinfer.worker.speculative import (DraftState, check_shadow, draft_rows, plan_draft_lengths, propose,
-                                          record_acceptance, verify)
+from deepinfer.worker.speculative import (MTP_DEPTH_COSTS, DraftState, check_shadow, draft_rows, plan_draft_lengths,
+                                          propose, record_acceptance, verify)
 
 if TYPE_CHECKING:
     from deepinfer.disagg.transfer import HandoffPuller
@@ -270,8 +270,10 @@ class ModelRunner:
         """The next step's drafts for every request that sampled (MTP also caches its KV for every computed row)."""
         sampling = [r for r in requests if r.samples]
         ngram = self.spec.speculative_method == "ngram"
+        k = self.spec.num_speculative_tokens
+        depth_costs = () if ngram else MTP_DEPTH_COSTS[:1] + MTP_DEPTH_COSTS[1:] * (k - 1)
         planned = plan_draft_lengths(self.spec, self.varlen, [self._requests[r.request_id].drafting for r in sampling],
-                                     shadow_probes=ngram)
+                                     shadow_probes=ngram, depth_costs=depth_costs)
         lengths = {r.request_id: n for r, n in zip(sampling, planned)}
         if self.spec.speculative_method == "mtp":
             drafts = mtp_drafts(self.model, self.model.mtp, requests, hidden,

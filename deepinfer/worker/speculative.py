@@ -34,6 +34,11 @@ PROBE_EVERY = 8  # steps between one-token probes of a sequence that stopped dra
 # tile of TILE_ROWS rows (the AVX-512 kernel's) is one more pass over every weight block. Fit on SmolLM2 Q4_1,
 # 2 cores, ~150-token contexts (benchmarks/decode_stack.py: 2.6 / 4.8 / 9.0 / 17.8 / 35 ms at 1 / 8 / 16 / 32 / 64
 # rows, a row ~0.53 ms; a 9th row 0.7 ms; doc/inference_deployment_qa.md).
+# MTP's own cost per draft depth, in the same units: depth 1 is the draft head over the draft vocabulary (the MTP
+# layer's run over the step's rows happens anyway, for its KV), each deeper one the MTP layer's decode stack and the
+# head again. Measured at batch 1 (SmolLM2 Q4_1 with a train-mtp head, int8, 2 cores): head ~0.15 ms, layer run
+# ~0.5 ms, against a row's ~0.53 ms.
+MTP_DEPTH_COSTS = (0.3, 1.3)  # depth 1; every deeper depth
 FIXED_ROWS = 1.1
 WEIGHT_ROWS = 3.4
 LINEAR_SHARE = 0.62
@@ -92,28 +97,38 @@ def verify(sampler: Sampler, logits: torch.Tensor, base: SamplingRow, drafts: Se
 
 
 def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftState],
-                       shadow_probes: bool = False) -> list[int]:
+                       shadow_probes: bool = False, depth_costs: Sequence[float] = ()) -> list[int]:
     """How many tokens each of a step's sampling sequences drafts next: k each without varlen; with it, the drafts
     that raise the step's expected tokens per unit of time. The j-th draft of a sequence is accepted with the
-    product of its conditional rates up to j (a^j where every position has rate a); candidates are taken best first while that beats the step's current tokens per
-    row-cost, E * (cost(R + 1) - cost(R)) / cost(R) with E the expected tokens and R the rows so far (the bar is
-    ~0.08 alone while the rows are memory-bound, ~0.88 inside a tile of 8-16 sequences, above 1 where a draft
-    would start a new tile, ~0.97 at 32). A sequence left at none probes with one token now and then,
-    less often in a bigger batch (a probe is a row too); with `shadow_probes` (proposers that cost nothing, n-gram)
-    the probe is only marked (`state.probe`): the runner guesses the next token and checks it, spending no row."""
+    product of its conditional rates up to j (a^j where every position has rate a); candidates are taken best
+    first while that beats the step's current tokens per unit of cost, E * (cost' - cost) / cost with E the
+    expected tokens. cost = step_cost(R) for R rows (the bar is ~0.08 alone while the rows are memory-bound, ~0.88
+    inside a tile of 8-16 sequences, above 1 where a draft would start a new tile, ~0.97 at 32), plus
+    depth_costs[j - 1] once for each draft depth j any sequence reaches (a proposer that runs once per depth, MTP:
+    MTP_DEPTH_COSTS; every sequence drafting at a depth shares its cost, so the plan is made for each deepest depth
+    and the best kept). A sequence left at none probes with one token now and then, less often in a bigger batch (a
+    probe is a row too); with `shadow_probes` (proposers that cost nothing, n-gram) the probe is only marked
+    (`state.probe`): the runner guesses the next token and checks it, spending no row."""
     k = spec.num_speculative_tokens
     if not varlen:
         return [k] * len(states)
     batch = len(states)
-    lengths = [0] * batch
     candidates = sorted((-p, j, i) for i, st in enumerate(states) for j, p in enumerate(_chain(st, k), start=1))
-    rows, expected, cost = batch, float(batch), step_cost(batch)
-    for neg_p, _, i in candidates:
-        more = step_cost(rows + 1)
-        if -neg_p <= expected * (more - cost) / cost:
-            break
-        lengths[i] += 1
-        rows, expected, cost = rows + 1, expected - neg_p, more
+    best = (0.0, [0] * batch)
+    for deepest in range(0 if depth_costs else k, k + 1):  # with depth costs: each deepest depth, the best plan
+        paid = sum(depth_costs[:deepest])
+        lengths, rows, expected = [0] * batch, batch, float(batch)
+        for neg_p, j, i in candidates:
+            if j > deepest:
+                continue
+            cost, more = step_cost(rows) + paid, step_cost(rows + 1) + paid
+            if -neg_p <= expected * (more - cost) / cost:
+                break
+            lengths[i] += 1
+            rows, expected = rows + 1, expected - neg_p
+        if expected / (step_cost(rows) + paid) > best[0]:
+            best = (expected / (step_cost(rows) + paid), lengths)
+    lengths = best[1]
     for i, st in enumerate(states):
         if lengths[i]:
             st.idle_steps = 0

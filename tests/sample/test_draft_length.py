@@ -87,3 +87,13 @@ def test_later_positions_are_only_observed_after_the_earlier_ones_were_accepted(
     assert state.per_position == pytest.approx([0.35, 0.5, 0.5])
     record_acceptance(state, 3, 3)
     assert state.per_position == pytest.approx([0.545, 0.65, 0.65])
+
+
+def test_a_proposer_that_pays_per_depth_drafts_shallower_alone_and_shares_the_depth_in_a_batch():
+    costly = (0.3, 1.3, 1.3, 1.3, 1.3)  # MTP-like: each depth past the first runs a layer once for everyone
+    assert plan([0.5]) == [3]
+    assert plan_draft_lengths(SPEC, True, [DraftState(acceptance=0.5)], depth_costs=costly) == [1]
+    assert plan_draft_lengths(SPEC, True, [DraftState(acceptance=0.9)], depth_costs=costly) == [4]  # not 5
+    # two sequences share each depth's cost: depth 2 is weighed for both at once (one draft at a time, it never pays)
+    paired = plan_draft_lengths(SPEC, True, [DraftState(acceptance=0.9) for _ in range(2)], depth_costs=costly)
+    assert paired == [2, 2]
