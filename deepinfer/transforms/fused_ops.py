@@ -39,16 +39,18 @@ def enable_fused_ops(model: nn.Module, ops: ModuleType, exact_only: bool = False
     if not exact_only and hasattr(ops, "DecodeStack"):
         for module in model.modules():
             if isinstance(module, (LlamaModel, Gemma3Model)):
-                layers = [_parts(layer) for layer in module.layers]
-                why = _stack_blocker(layers, module.norm)
-                module.decode_stack = None if why else DecodeStack(ops, layers, module.norm)
-                logger.info("decode stack (decode steps' layers in one compiled call): %s", why or "on")
+                _attach_stack(ops, module, [_parts(layer) for layer in module.layers], module.norm,
+                              "decode stack (decode steps' layers in one compiled call)")
             elif isinstance(module, MTPLayer):  # a draft head's block and its output norm, the same way
-                parts = [_parts(module.block)]
-                why = _stack_blocker(parts, module.shared_head.norm)
-                module.decode_stack = None if why else DecodeStack(ops, parts, module.shared_head.norm)
-                logger.info("MTP layer's decode stack: %s", why or "on")
+                _attach_stack(ops, module, [_parts(module.block)], module.shared_head.norm, "MTP layer's decode stack")
     return changed
+
+
+def _attach_stack(ops: ModuleType, module: nn.Module, layers: list, final_norm: nn.Module, what: str) -> None:
+    """module.decode_stack: the layers and final norm in one compiled call, or None where the stack cannot run them."""
+    why = _stack_blocker(layers, final_norm)
+    module.decode_stack = None if why else DecodeStack(ops, layers, final_norm)
+    logger.info("%s: %s", what, why or "on")
 
 
 def _parts(layer: nn.Module) -> dict[str, Any] | None:

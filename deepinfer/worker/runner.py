@@ -20,7 +20,7 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.worker.inputs import RequestRows, build_inputs
 from deepinfer.worker.mtp import mtp_drafts
 from deepinfer.sample.rejection import verify_greedy
-from deepinfer.worker.speculative import (MTP_DEPTH_COSTS, DraftState, check_shadow, draft_rows, plan_draft_lengths,
+from deepinfer.worker.speculative import (DraftState, check_shadow, depth_costs, draft_rows, plan_draft_lengths,
                                           propose, record_acceptance, verify)
 
 if TYPE_CHECKING:
@@ -118,6 +118,7 @@ class ModelRunner:
         self.model = model
         self.spec = spec if spec is not None and spec.enabled else None
         self.varlen = varlen
+        self._depth_costs = depth_costs(self.spec) if self.spec is not None else ()  # the proposer's, per draft depth
         self.batch_invariant = batch_invariant
         self.cpu_kernels = cpu_kernels  # compiled attention (ops/cpu_attention.py); None: torch ops
         self.block_size = block_size
@@ -270,10 +271,8 @@ class ModelRunner:
         """The next step's drafts for every request that sampled (MTP also caches its KV for every computed row)."""
         sampling = [r for r in requests if r.samples]
         ngram = self.spec.speculative_method == "ngram"
-        k = self.spec.num_speculative_tokens
-        depth_costs = () if ngram else MTP_DEPTH_COSTS[:1] + MTP_DEPTH_COSTS[1:] * (k - 1)
         planned = plan_draft_lengths(self.spec, self.varlen, [self._requests[r.request_id].drafting for r in sampling],
-                                     shadow_probes=ngram, depth_costs=depth_costs)
+                                     shadow_probes=ngram, depth_costs=self._depth_costs)
         lengths = {r.request_id: n for r, n in zip(sampling, planned)}
         if self.spec.speculative_method == "mtp":
             drafts = mtp_drafts(self.model, self.model.mtp, requests, hidden,

@@ -11,6 +11,8 @@ every sequence drafts exactly k (as many as the proposer finds).
 """
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -126,8 +128,9 @@ def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftSta
                 break
             lengths[i] += 1
             rows, expected = rows + 1, expected - neg_p
-        if expected / (step_cost(rows) + paid) > best[0]:
-            best = (expected / (step_cost(rows) + paid), lengths)
+        score = expected / (step_cost(rows) + paid)
+        if score > best[0]:
+            best = (score, lengths)
     lengths = best[1]
     for i, st in enumerate(states):
         if lengths[i]:
@@ -145,11 +148,14 @@ def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftSta
 
 def _chain(state: DraftState, k: int) -> list[float]:
     """Probability that each of k drafts is accepted: the product of the conditional rates up to it."""
-    out, p = [], 1.0
-    for j in range(k):
-        p *= state.rate(j)
-        out.append(p)
-    return out
+    return list(itertools.accumulate((state.rate(j) for j in range(k)), operator.mul))
+
+
+def depth_costs(spec: SpecConfig) -> tuple[float, ...]:
+    """The proposer's own cost per draft depth, 1..k (plan_draft_lengths): MTP_DEPTH_COSTS for MTP, none for n-gram."""
+    if spec.speculative_method != "mtp":
+        return ()
+    return MTP_DEPTH_COSTS[:1] + MTP_DEPTH_COSTS[1:] * (spec.num_speculative_tokens - 1)
 
 
 def record_acceptance(state: DraftState, drafted: int, accepted: int) -> None:
