@@ -43,17 +43,24 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.ops: ModuleType | None = None  # fused CPU cache write (transforms/fused_ops.py); None: index_copy_
 
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k [T, Hkv, D], v [T, Hkv, Dv] into this layer's cache at the step's slots; returns the cache (K, V)."""
+        ctx = get_forward_context()
+        slots = ctx.attn_for(self.cache_index).slot_mapping
+        k_cache, v_cache = ctx.kv_caches[self.cache_index]
+        if self.ops is not None and v_cache.dtype == k_cache.dtype and k.dtype == v.dtype \
+                and (k.dtype == k_cache.dtype or (k.dtype == torch.float32 and k_cache.dtype == torch.bfloat16)):
+            self.ops.cache_write(k, v, k_cache, v_cache, slots)
+        else:
+            k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+        return k_cache, v_cache
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k [T, Hkv, D], v [T, Hkv, Dv] -> [T, H * Dv]."""
         ctx = get_forward_context()
         md = ctx.attn_for(self.cache_index)
-        k_cache, v_cache = ctx.kv_caches[self.cache_index]
-        if self.ops is not None and v_cache.dtype == k_cache.dtype and k.dtype == v.dtype \
-                and (k.dtype == k_cache.dtype or (k.dtype == torch.float32 and k_cache.dtype == torch.bfloat16)):
-            self.ops.cache_write(k, v, k_cache, v_cache, md.slot_mapping)
-        else:
-            k_cache.index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
-            v_cache.index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
+        k_cache, v_cache = self.write(k, v)
         kernels = ctx.cpu_kernels if self.head_dim == self.v_head_dim in (64, 128, 256) \
             and q.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.bfloat16) else None
         if ctx.batch_invariant:

@@ -74,7 +74,8 @@ class MLAttention(nn.Module):
         """Values cached per token: the latent and the RoPE key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _project(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """-> q [T, heads, nope + rope], its nope and (rotated) rope parts, the cache entry [T, C + R]."""
         if self.q_lora_rank is None:
             q, kv = self.q_proj(x), self.kv_a_proj_with_mqa(x)
         else:
@@ -85,11 +86,22 @@ class MLAttention(nn.Module):
         latent, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe.unsqueeze(1))
         entry = torch.cat((self.kv_a_layernorm(latent), k_pe.squeeze(1)), dim=-1)  # [T, C + R]
+        return q, q_nope, q_pe, entry
 
+    def _write(self, entry: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
-        md = ctx.attn
         cache = ctx.kv_caches[self.cache_index][0]
-        cache.index_copy_(0, md.slot_mapping, entry.unsqueeze(1).to(cache.dtype))
+        cache.index_copy_(0, ctx.attn.slot_mapping, entry.unsqueeze(1).to(cache.dtype))
+        return cache
+
+    def write_kv(self, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """Only the cache entries `forward` would write, for rows whose output nobody reads."""
+        self._write(self._project(positions, x)[3])
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, q_nope, q_pe, entry = self._project(positions, x)
+        cache = self._write(entry)
+        md = get_forward_context().attn
         out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
         nd = md.num_decodes
         if nd:

@@ -107,6 +107,10 @@ class DeepseekV3DecoderLayer(nn.Module):
         x = x + self.self_attn(positions, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def write_kv(self, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """The K and V `forward` would cache, without the attention or the MLP (MTP upkeep rows)."""
+        self.self_attn.write_kv(positions, self.input_layernorm(x))
+
 
 class DeepseekV3Model(nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding) -> None:

@@ -30,7 +30,7 @@ class LlamaAttention(nn.Module):
         window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx, window)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _qkv(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -38,7 +38,15 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return q, k, v
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.attn(*self._qkv(positions, x)))
+
+    def write_kv(self, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """Only the K and V `forward` would cache, for rows whose output nobody reads."""
+        _, k, v = self._qkv(positions, x)
+        self.attn.write(k, v)
 
 
 class LlamaMLP(nn.Module):
@@ -63,6 +71,10 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def write_kv(self, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """The K and V `forward` would cache, without the attention or the MLP (MTP upkeep rows)."""
+        self.self_attn.write_kv(positions, self.input_layernorm(x))
 
 
 class LlamaModel(nn.Module):

@@ -8,9 +8,9 @@ state at position i) with the embedding of token t_{i+k}, and predicts t_{i+k+1}
   logits = Head(h_i^k)                                                  (Emb and Head shared with the main model)
 
 The block is a full transformer layer with its own attention, caching at its own index after the main model's
-layers (`cache_index`): in the engine it runs on the paged KV cache like any layer (worker/mtp.py), inside the
-caller's forward context; `run` instead gives it a scratch cache holding just the rows it is given (one contiguous
-sequence and no history beyond it: tests and offline use).
+layers (`cache_index`; `write_kv` computes only what it caches): in the engine it runs on the paged KV cache like
+any layer (worker/mtp.py), inside the caller's forward context; `run` instead gives it a scratch cache holding just
+the rows it is given (one contiguous sequence and no history beyond it: tests and offline use).
 """
 from __future__ import annotations
 
@@ -50,8 +50,16 @@ class MTPLayer(nn.Module):
         attn = getattr(self.block.self_attn, "attn", self.block.self_attn)
         return attn.cache_index
 
+    def _input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))
+
+    def write_kv(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Only the K and V `forward` would cache at these rows: the projection and the block's K/V projections,
+        not its attention or MLP (rows whose draft nobody asks for still need their KV for later drafts)."""
+        self.block.write_kv(positions, self._input(embeds, hidden))
+
     def forward(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))
+        x = self._input(embeds, hidden)
         if self.decode_stack is not None:
             out = self.decode_stack(x, positions)  # None: rows that are not all decode rows
             if out is not None:

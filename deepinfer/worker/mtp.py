@@ -1,99 +1,110 @@
 """MTP drafts on the paged KV cache: the MTP layer is one more attention layer, caching at its index after the
 main model's layers in the same blocks as the request's other layers.
 
-After a step's forward and sampling, the MTP layer runs over every row whose next token is now known: prompt rows
+After a step's forward and sampling, every row whose next token is now known gets the MTP layer's KV: prompt rows
 (their next token is the next prompt token), a sampling request's known row and its accepted drafts (their next
 tokens are the tokens just emitted). Row p combines the main model's hidden state at p with the embedding of token
 p + 1, so its KV lands at position p, exactly where the main model's is, and only for positions that are computed:
-rejected drafts never get MTP KV. The last such row of a sampling request predicts the first draft; deeper drafts
-apply the layer again to its own output and the previous draft, one row per request at the next position
-(DeepSeek's recursive use of one MTP layer); that speculative KV is rewritten once the position is computed.
-Drafts are greedy: deterministic proposals, verified as one-hot drafts (lossless either way). A decoding request's
-rows are decode rows (one query each, as verification's are), so a step without prompt chunks runs each depth
-through the MTP layer's decode stack (transforms/fused_ops.py) where the model has one.
+rejected drafts never get MTP KV. Only the last such row of a request that drafts this step needs the layer's
+output (it predicts the first draft): it runs the whole layer, as a decode row; every other row computes only the
+K and V the layer would cache (the projection and the block's K/V projections, no attention or MLP: about a fifth
+of the layer's weights), which is all a sequence that is not drafting pays per step. Deeper drafts apply the layer
+again to its own output and the previous draft, one row per request at the next position (DeepSeek's recursive use
+of one MTP layer); that speculative KV is rewritten once the position is computed. Drafts are greedy: deterministic
+proposals, verified as one-hot drafts (lossless either way). Each depth runs through the MTP layer's decode stack
+(transforms/fused_ops.py) where the model has one.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from deepinfer.core.kv_layout import KVLayout
 from deepinfer.ops import quant_linear
-from deepinfer.layers.context import ForwardContext, forward_context
-from deepinfer.worker.inputs import RequestRows, _metadata
+from deepinfer.layers.context import AttentionMetadata, ForwardContext, forward_context
+from deepinfer.worker.inputs import RequestRows, StepInputs, _metadata
 
 
-def mtp_drafts(model, mtp, requests: list[RequestRows], hidden: torch.Tensor, token_ids: dict[str, list[int]],
+def mtp_drafts(model, mtp, inputs: StepInputs, hidden: torch.Tensor, token_ids: dict[str, list[int]],
                emitted: dict[str, list[int]], lengths: dict[str, int], tables: dict[str, list[list[int]]],
                kv_caches, layout: KVLayout, block_size: int, device: torch.device, batch_invariant: bool = False,
                cpu_kernels=None) -> dict[str, list[int]]:
-    """requests: the step's rows (inputs.requests); emitted: the tokens each sampling request emitted; lengths:
-    how many drafts each sampling request wants. Returns the drafts."""
+    """inputs: the step's rows; emitted: the tokens each sampling request emitted; lengths: how many drafts each
+    sampling request wants. Returns the drafts."""
     if len(layout.groups) != 1:
         raise ValueError("MTP drafts need a model with one layer group (no sliding-window hybrids)")
-    rows: list[RequestRows] = []
-    hidden_rows: list[int] = []
-    next_tokens: list[int] = []
-    for r in requests:
-        count = r.num_known + (len(emitted.get(r.request_id, ())) - 1 if r.samples else 0)
-        if not r.samples and r.start + count >= len(token_ids[r.request_id]):
-            count -= 1  # a prompt chunk's last row: its next token is not known yet
-        if count <= 0:
-            continue
-        if r.samples and r.num_known == 1:  # a decoding request's token and accepted drafts: decode rows
-            rows.append(RequestRows(r.request_id, len(hidden_rows), 1, [0] * (count - 1), r.start, True))
-        else:
-            rows.append(RequestRows(r.request_id, len(hidden_rows), count, [], r.start, r.samples))
-        hidden_rows += range(r.first_row, r.first_row + count)
-        next_tokens += token_ids[r.request_id][r.start + 1 : r.start + 1 + count]
-    if not rows:
-        return {}
-    rows.sort(key=lambda r: (r.num_known != 1, -r.start))  # the metadata's order: decode rows first
-    order = [i for r in rows for i in range(r.first_row, r.first_row + _count(r))]
-    first = 0
-    for r in rows:
-        r.first_row, first = first, first + _count(r)
-    index = torch.tensor(order, device=device)
-    h_index = torch.tensor(hidden_rows, device=device)[index]
-    tokens = torch.tensor(next_tokens, dtype=torch.int64, device=device)[index]
-    positions = torch.cat([torch.arange(r.start, r.start + _count(r)) for r in rows]).to(device)
     env = (kv_caches, block_size, device, batch_invariant, cpu_kernels)
-    out = _run(model, mtp, 0, rows, positions, tokens, hidden[h_index], tables, env)
-
-    drafting = [r for r in rows if r.samples and lengths.get(r.request_id, 0) > 0]
-    if not drafting:
+    upkeep: list[int] = []  # the step's rows that get KV only
+    ends: list[tuple[int, int]] = []  # (index in upkeep, next token) of each request's last upkeep row
+    heads: list[RequestRows] = []  # a drafting request's last row, as a decode row at its position
+    for r in inputs.requests:
+        rid = r.request_id
+        count = r.num_known + (len(emitted.get(rid, ())) - 1 if r.samples else 0)
+        if not r.samples and r.start + count >= len(token_ids[rid]):
+            count -= 1  # a prompt chunk's last row: its next token is not known yet
+        if r.samples and count > 0 and lengths.get(rid, 0) > 0:
+            heads.append(RequestRows(rid, r.first_row + count - 1, 1, [], r.start + count - 1, True))
+            count -= 1
+        if count > 0:
+            upkeep += range(r.first_row, r.first_row + count)
+            ends.append((len(upkeep) - 1, token_ids[rid][r.start + count : r.start + count + 1][0]))
+    if upkeep:
+        _write_kv(mtp, model.model.embed_tokens, inputs, hidden, upkeep, ends, env)
+    if not heads:
         return {}
-    drafts: dict[str, list[int]] = {r.request_id: [] for r in drafting}
-    last = torch.tensor([r.first_row + _count(r) - 1 for r in drafting], device=device)
-    state, pos = out[last], torch.tensor([r.start + _count(r) - 1 for r in drafting], device=device)
-    for depth in range(max((lengths[r.request_id] for r in drafting), default=0)):
-        picks = _greedy_drafts(model, mtp, state, batch_invariant)
-        for r, token in zip(drafting, picks):
+    drafts: dict[str, list[int]] = {r.request_id: [] for r in heads}
+    state = hidden[torch.tensor([r.first_row for r in heads], device=device)]
+    tokens = torch.tensor([token_ids[r.request_id][r.start + 1 : r.start + 2][0] for r in heads], dtype=torch.int64,
+                          device=device)
+    drafting = heads
+    for depth in range(max(lengths[r.request_id] for r in heads)):
+        for i, r in enumerate(drafting):
+            r.first_row = i
+        pos = torch.tensor([r.start for r in drafting], device=device)
+        state = _run(model, mtp, depth, drafting, pos, tokens, state, tables, env)
+        for r, token in zip(drafting, _greedy_drafts(model, mtp, state, batch_invariant)):
             drafts[r.request_id].append(token)
         room = [i for i, r in enumerate(drafting) if len(drafts[r.request_id]) < lengths[r.request_id]
-                and int(pos[i]) + 1 < len(tables[r.request_id][0]) * block_size]
+                and r.start + 1 < len(tables[r.request_id][0]) * block_size]
         if not room:
             break
-        drafting = [drafting[i] for i in room]
-        pos = pos[room] + 1
-        step_rows = [RequestRows(r.request_id, i, 1, [], int(p), True) for i, (r, p) in enumerate(zip(drafting, pos))]
+        drafting = [RequestRows(drafting[i].request_id, 0, 1, [], drafting[i].start + 1, True) for i in room]
         tokens = torch.tensor([drafts[r.request_id][-1] for r in drafting], dtype=torch.int64, device=device)
-        state = _run(model, mtp, depth + 1, step_rows, pos, tokens, state[room], tables, env)
+        state = state[room]
     return drafts
 
 
-def _count(r: RequestRows) -> int:
-    """The rows of a request: its known tokens and the rows after them (here: a decoding request's accepted ones)."""
-    return r.num_known + len(r.drafts)
+def _write_kv(mtp, embed, inputs: StepInputs, hidden: torch.Tensor, upkeep: list[int],
+              ends: list[tuple[int, int]], env) -> None:
+    """The MTP layer's K and V at the step's rows `upkeep` (the same KV the whole layer would write; later drafts
+    attend to it). Row i's next token is row i + 1's input, except at a request's last upkeep row (`ends`)."""
+    kv_caches, block_size, device, batch_invariant, cpu_kernels = env
+    rows = np.asarray(upkeep, dtype=np.int64)  # index math on the host: a handful of small torch ops cost more
+    ids = _host(inputs.input_ids)
+    tokens = ids[np.minimum(rows + 1, len(ids) - 1)]
+    at, nxt = zip(*ends)
+    tokens[list(at)] = nxt
+    slots = _host(inputs.group_metadata[0].slot_mapping)[rows]
+    positions, tokens = (torch.from_numpy(a).to(device) for a in (_host(inputs.positions)[rows], tokens))
+    md = AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(device), num_decodes=0, decode_block_tables=None,
+                           decode_context_lens=None, prefills=[], block_size=block_size)
+    ctx = ForwardContext(attn=md, kv_caches=kv_caches, positions=positions, batch_invariant=batch_invariant,
+                         cpu_kernels=cpu_kernels)
+    with forward_context(ctx):
+        mtp.layer(0).write_kv(positions, embed(tokens), hidden[torch.from_numpy(rows).to(device)])
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
 def _run(model, mtp, depth: int, rows: list[RequestRows], positions: torch.Tensor, tokens: torch.Tensor,
          hidden: torch.Tensor, tables, env) -> torch.Tensor:
-    """One MTP depth over `rows` (decode rows first), its KV written at their positions."""
+    """One MTP depth over decode rows (one per drafting request), its KV written at their positions."""
     kv_caches, block_size, device, batch_invariant, cpu_kernels = env
     pos = positions.cpu().numpy()
-    spans = [pos[r.first_row : r.first_row + _count(r)] for r in rows]
-    num_decodes = sum(_count(r) for r in rows if r.num_known == 1)
-    md = _metadata([tables[r.request_id][0] for r in rows], rows, spans, pos, num_decodes, None, block_size, device)
+    md = _metadata([tables[r.request_id][0] for r in rows], rows, [pos[i : i + 1] for i in range(len(rows))], pos,
+                   len(rows), None, block_size, device)
     ctx = ForwardContext(attn=md, kv_caches=kv_caches, positions=positions, batch_invariant=batch_invariant,
                          cpu_kernels=cpu_kernels)
     with forward_context(ctx):

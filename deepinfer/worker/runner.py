@@ -17,7 +17,7 @@ from deepinfer.sample.logprobs import compute_prompt_logprobs
 from deepinfer.sample.penalties import PenaltyState
 from deepinfer.sample.sampler import Sampler, SamplingRow, has_penalties
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.worker.inputs import RequestRows, build_inputs
+from deepinfer.worker.inputs import RequestRows, StepInputs, build_inputs
 from deepinfer.worker.mtp import mtp_drafts
 from deepinfer.sample.rejection import verify_greedy
 from deepinfer.worker.speculative import (DraftState, check_shadow, depth_costs, draft_rows, plan_draft_lengths,
@@ -207,7 +207,7 @@ class ModelRunner:
         else:
             clock = _lap(result, "forward", clock)
         if self.spec is not None:
-            self._propose(inputs.requests, hidden, result)
+            self._propose(inputs, hidden, result)
             _lap(result, "propose", clock)
         if self.kv_transfer is not None:  # KV store: save the blocks this forward filled
             self.kv_transfer.save(plan)
@@ -267,15 +267,16 @@ class ModelRunner:
             record_acceptance(state.drafting, len(r.drafts), len(tokens) - 1)
             self._emit(r.request_id, tokens, lps, result)
 
-    def _propose(self, requests: list[RequestRows], hidden: torch.Tensor, result: StepResult) -> None:
+    def _propose(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:
         """The next step's drafts for every request that sampled (MTP also caches its KV for every computed row)."""
+        requests = inputs.requests
         sampling = [r for r in requests if r.samples]
         ngram = self.spec.speculative_method == "ngram"
         planned = plan_draft_lengths(self.spec, self.varlen, [self._requests[r.request_id].drafting for r in sampling],
                                      shadow_probes=ngram, depth_costs=self._depth_costs)
         lengths = {r.request_id: n for r, n in zip(sampling, planned)}
         if self.spec.speculative_method == "mtp":
-            drafts = mtp_drafts(self.model, self.model.mtp, requests, hidden,
+            drafts = mtp_drafts(self.model, self.model.mtp, inputs, hidden,
                                 {r.request_id: self._requests[r.request_id].token_ids for r in requests},
                                 result.sampled, lengths, {r.request_id: self._requests[r.request_id].block_ids
                                                           for r in requests},

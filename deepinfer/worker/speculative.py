@@ -36,10 +36,10 @@ PROBE_EVERY = 8  # steps between one-token probes of a sequence that stopped dra
 # tile of TILE_ROWS rows (the AVX-512 kernel's) is one more pass over every weight block. Fit on SmolLM2 Q4_1,
 # 2 cores, ~150-token contexts (benchmarks/decode_stack.py: 2.6 / 4.8 / 9.0 / 17.8 / 35 ms at 1 / 8 / 16 / 32 / 64
 # rows, a row ~0.53 ms; a 9th row 0.7 ms; doc/inference_deployment_qa.md).
-# MTP's own cost per draft depth, in the same units: depth 1 is the draft head over the draft vocabulary (the MTP
-# layer's run over the step's rows happens anyway, for its KV), each deeper one the MTP layer's decode stack and the
-# head again. Measured at batch 1 (SmolLM2 Q4_1 with a train-mtp head, int8, 2 cores): head ~0.15 ms, layer run
-# ~0.5 ms, against a row's ~0.53 ms.
+# MTP's own cost per draft depth, in the same units: depth 1 is the draft head over the draft vocabulary and the MTP
+# layer's whole run on the drafting rows, in place of the K/V-only upkeep every other row gets (on a few rows those
+# cost about the same); each deeper depth the layer's decode stack and the head again. Measured at batch 1 (SmolLM2
+# Q4_1 with a train-mtp head, int8, 2 cores): head ~0.15 ms, layer run ~0.5 ms, against a row's ~0.53 ms.
 MTP_DEPTH_COSTS = (0.3, 1.3)  # depth 1; every deeper depth
 FIXED_ROWS = 1.1
 WEIGHT_ROWS = 3.4
@@ -109,8 +109,9 @@ def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftSta
     depth_costs[j - 1] once for each draft depth j any sequence reaches (a proposer that runs once per depth, MTP:
     MTP_DEPTH_COSTS; every sequence drafting at a depth shares its cost, so the plan is made for each deepest depth
     and the best kept). A sequence left at none probes with one token now and then, less often in a bigger batch (a
-    probe is a row too); with `shadow_probes` (proposers that cost nothing, n-gram) the probe is only marked
-    (`state.probe`): the runner guesses the next token and checks it, spending no row."""
+    probe is a row too) and only where a success could lift it over the first draft's bar; with `shadow_probes`
+    (proposers that cost nothing, n-gram) the probe is only marked (`state.probe`): the runner guesses the next
+    token and checks it, spending no row."""
     k = spec.num_speculative_tokens
     if not varlen:
         return [k] * len(states)
@@ -141,9 +142,16 @@ def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftSta
             st.idle_steps = 0
             if shadow_probes:
                 st.probe = True
-            else:
-                lengths[i] = 1
+            elif EMA * st.rate(0) + (1 - EMA) > first_draft_bar(batch, depth_costs):
+                lengths[i] = 1  # a probe that succeeds could make this sequence's first draft pay
     return lengths
+
+
+def first_draft_bar(batch: int, depth_costs: Sequence[float] = ()) -> float:
+    """The acceptance one sequence's single draft needs to raise tokens per unit of cost in a step of `batch`
+    sequences, paying its row and the proposer's first depth: above 1 from a batch of 8 on (the 9th row starts a
+    tile), where probing with a real row is pure cost."""
+    return batch * (step_cost(batch + 1) + (depth_costs[0] if depth_costs else 0.0)) / step_cost(batch) - batch
 
 
 def _chain(state: DraftState, k: int) -> list[float]:

@@ -4,13 +4,14 @@ import json
 import os
 
 import pytest
+import torch
 import transformers
 
 from deepinfer import SamplingParams
 from deepinfer.llm import LLM
 from deepinfer.spec.train_mtp import TrainConfig, split_by_prompt, train
 
-from ..models.hf_reference import save_tiny
+from ..models.hf_reference import mtp_caches, save_tiny
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -69,6 +70,14 @@ def test_drafting_with_the_head_keeps_greedy_tokens(tiny_with_head, quantization
     assert spec.engine.stats().spec_decode.num_draft_tokens > 0
     draft_head = spec.engine.executor.model.mtp._draft_head
     assert isinstance(draft_head, tuple) == (quantization == "int8")  # (kernels, packed int8 rows) or float rows
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_write_kv_caches_what_the_whole_layer_caches(tiny_with_head, quantization):
+    path, head = tiny_with_head
+    llm = LLM(path, kv_cache_memory=8 << 20, speculative_method="mtp", draft=head, quantization=quantization)
+    (k_full, v_full), (k_only, v_only) = mtp_caches(llm.engine.executor.model.mtp.layers[0])
+    assert k_full.abs().sum() > 0 and torch.equal(k_full, k_only) and torch.equal(v_full, v_only)
 
 
 def test_a_head_for_another_model_is_refused(tiny_with_head):

@@ -62,3 +62,21 @@ def hf_greedy(model, prompt_ids: list[int], steps: int) -> tuple[list[int], torc
 def ours_greedy(llm: LLM, prompts: list[list[int]], steps: int):
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def mtp_caches(layer, rows: int = 7, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """An MTP layer's KV cache after its whole forward, then after `write_kv`, on the same random rows (each in a
+    fresh scratch cache): the two must be equal."""
+    from deepinfer.layers.context import forward_context
+    from deepinfer.spec.mtp import contiguous_context
+
+    torch.manual_seed(seed)
+    hidden_size = layer.enorm.weight.shape[0]
+    positions, embeds, hidden = torch.arange(rows) + 3, torch.randn(rows, hidden_size), torch.randn(rows, hidden_size)
+    caches = []
+    for run in (layer, layer.write_kv):
+        ctx = contiguous_context(positions, {layer.cache_index: layer.cache_shape}, torch.float32)
+        with torch.inference_mode(), forward_context(ctx):
+            run(positions, embeds, hidden)
+        caches.append(ctx.kv_caches[layer.cache_index])
+    return caches

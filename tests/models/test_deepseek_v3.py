@@ -23,7 +23,7 @@ from deepinfer.spec.mtp import contiguous_context
 from deepinfer.worker.model_builder import build_model
 from deepinfer.worker.runner import kv_bytes_per_block
 
-from .hf_reference import hf_greedy, ours_greedy, record_logits, save_tiny
+from .hf_reference import hf_greedy, mtp_caches, ours_greedy, record_logits, save_tiny
 
 STEPS = 16
 ATOL = 1e-4
@@ -226,6 +226,12 @@ def test_mtp_layer_loads_and_drafts_like_transformers(mtp_pair):
     assert logits.shape == (len(prompt), BASE["vocab_size"]) and draft_hidden.shape == hidden.shape
     torch.testing.assert_close(logits, hf_draft.float(), atol=ATOL, rtol=0)
     assert drafts[0] == int(hf_draft[-1].argmax()) and len(drafts) == 2
+
+
+def test_mtp_write_kv_caches_what_the_whole_layer_caches(mtp_pair):
+    # rows whose draft nobody asks for get only the MLA latent and RoPE key (no attention, no MoE)
+    (k_full, v_full), (k_only, v_only) = mtp_caches(_load(mtp_pair[2]).mtp.layer(0))
+    assert k_full.abs().sum() > 0 and torch.equal(k_full, k_only) and torch.equal(v_full, v_only)
 
 
 def test_checkpoint_without_mtp_tensors_runs_without_mtp(pair):

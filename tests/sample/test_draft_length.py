@@ -3,8 +3,8 @@ per unit of step cost (worker/speculative.py: step_cost)."""
 import pytest
 
 from deepinfer.config import SpecConfig
-from deepinfer.worker.speculative import (PROBE_EVERY, DraftState, check_shadow, plan_draft_lengths,
-                                          record_acceptance, step_cost)
+from deepinfer.worker.speculative import (PROBE_EVERY, DraftState, check_shadow, first_draft_bar,
+                                          plan_draft_lengths, record_acceptance, step_cost)
 
 SPEC = SpecConfig(speculative_method="ngram", num_speculative_tokens=5)
 
@@ -40,13 +40,20 @@ def test_the_plan_beats_every_uniform_length_and_prefers_the_likelier_sequence()
         assert best >= expected_tokens_per_cost(acceptances, [n] * 4) - 1e-12
 
 
-def test_a_sequence_that_stopped_drafting_probes_with_one_token_less_often_in_a_big_batch():
+def test_a_sequence_that_stopped_drafting_probes_only_where_a_success_could_make_a_draft_pay():
     states = [DraftState(acceptance=0.05)]  # below the bar even alone
     alone = [plan_draft_lengths(SPEC, True, states)[0] for _ in range(PROBE_EVERY)]
     assert alone == [0] * (PROBE_EVERY - 1) + [1]
+    states = [DraftState(acceptance=0.2) for _ in range(4)]  # below the bar of 4 (~0.25); one success (0.44) clears it
+    firsts = [plan_draft_lengths(SPEC, True, states)[0] for _ in range(2 * PROBE_EVERY)]
+    assert sum(firsts) == 2
+    # from 8 sequences on a draft's row starts a new tile: no acceptance pays for it, so a probe (a real row) never
+    # runs; MTP's own depth cost raises the bar further
+    assert 1 < first_draft_bar(8) < first_draft_bar(8, (1.3,)) and first_draft_bar(32) > 1
     states = [DraftState(acceptance=0.5) for _ in range(32)]
-    firsts = [plan_draft_lengths(SPEC, True, states)[0] for _ in range(8 * PROBE_EVERY)]
-    assert sum(firsts) == 1 and firsts.index(1) + 1 > 4 * PROBE_EVERY
+    assert not any(any(plan_draft_lengths(SPEC, True, states)) for _ in range(8 * PROBE_EVERY))
+    mtp = [DraftState(acceptance=0.5) for _ in range(8)]
+    assert not any(any(plan_draft_lengths(SPEC, True, mtp, depth_costs=(1.3,) * 5)) for _ in range(8 * PROBE_EVERY))
 
 
 def test_without_varlen_every_sequence_drafts_k():
