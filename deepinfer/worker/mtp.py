@@ -6,9 +6,10 @@ After a step's forward and sampling, every row whose next token is now known get
 tokens are the tokens just emitted). Row p combines the main model's hidden state at p with the embedding of token
 p + 1, so its KV lands at position p, exactly where the main model's is, and only for positions that are computed:
 rejected drafts never get MTP KV. Only the last such row of a request that drafts this step needs the layer's
-output (it predicts the first draft): it runs the whole layer, as a decode row; every other row computes only the
-K and V the layer would cache (the projection and the block's K/V projections, no attention or MLP: about a fifth
-of the layer's weights), which is all a sequence that is not drafting pays per step. Deeper drafts apply the layer
+output (it predicts the first draft): it runs the whole layer as a decode row (a decoding request's accepted rows
+with it, one call for all); every other row computes only the K and V the layer would cache (the projection and the
+block's K/V projections, no attention or MLP: about a fifth of the layer's weights), which is all a sequence that
+is not drafting pays per step. Deeper drafts apply the layer
 again to its own output and the previous draft, one row per request at the next position (DeepSeek's recursive use
 of one MTP layer); that speculative KV is rewritten once the position is computed. Drafts are greedy: deterministic
 proposals, verified as one-hot drafts (lossless either way). Each depth runs through the MTP layer's decode stack
@@ -36,13 +37,16 @@ def mtp_drafts(model, mtp, inputs: StepInputs, hidden: torch.Tensor, token_ids: 
     env = (kv_caches, block_size, device, batch_invariant, cpu_kernels)
     upkeep: list[int] = []  # the step's rows that get KV only
     ends: list[tuple[int, int]] = []  # (index in upkeep, next token) of each request's last upkeep row
-    heads: list[RequestRows] = []  # a drafting request's last row, as a decode row at its position
+    heads: list[RequestRows] = []  # a drafting request's rows through the whole layer, as decode rows
     for r in inputs.requests:
         rid = r.request_id
         count = r.num_known + (len(emitted.get(rid, ())) - 1 if r.samples else 0)
         if not r.samples and r.start + count >= len(token_ids[rid]):
             count -= 1  # a prompt chunk's last row: its next token is not known yet
         if r.samples and count > 0 and lengths.get(rid, 0) > 0:
+            if r.num_known == 1:  # decoding: its token and accepted drafts, all decode rows of the whole layer
+                heads.append(RequestRows(rid, r.first_row, 1, [0] * (count - 1), r.start, True))
+                continue
             heads.append(RequestRows(rid, r.first_row + count - 1, 1, [], r.start + count - 1, True))
             count -= 1
         if count > 0:
@@ -53,15 +57,20 @@ def mtp_drafts(model, mtp, inputs: StepInputs, hidden: torch.Tensor, token_ids: 
     if not heads:
         return {}
     drafts: dict[str, list[int]] = {r.request_id: [] for r in heads}
-    state = hidden[torch.tensor([r.first_row for r in heads], device=device)]
-    tokens = torch.tensor([token_ids[r.request_id][r.start + 1 : r.start + 2][0] for r in heads], dtype=torch.int64,
-                          device=device)
+    index = [i for r in heads for i in range(r.first_row, r.first_row + _count(r))]
+    state = hidden[torch.tensor(index, device=device)]
+    tokens = torch.tensor([t for r in heads for t in token_ids[r.request_id][r.start + 1 : r.start + 1 + _count(r)]],
+                          dtype=torch.int64, device=device)
     drafting = heads
     for depth in range(max(lengths[r.request_id] for r in heads)):
-        for i, r in enumerate(drafting):
-            r.first_row = i
-        pos = torch.tensor([r.start for r in drafting], device=device)
+        first = 0
+        for r in drafting:
+            r.first_row, first = first, first + _count(r)
+        pos = torch.tensor([p for r in drafting for p in range(r.start, r.start + _count(r))], device=device)
         state = _run(model, mtp, depth, drafting, pos, tokens, state, tables, env)
+        if first > len(drafting):  # the requests' last rows
+            state = state[torch.tensor([r.first_row + _count(r) - 1 for r in drafting], device=device)]
+            drafting = [RequestRows(r.request_id, 0, 1, [], r.start + _count(r) - 1, True) for r in drafting]
         for r, token in zip(drafting, _greedy_drafts(model, mtp, state, batch_invariant)):
             drafts[r.request_id].append(token)
         room = [i for i, r in enumerate(drafting) if len(drafts[r.request_id]) < lengths[r.request_id]
@@ -94,17 +103,23 @@ def _write_kv(mtp, embed, inputs: StepInputs, hidden: torch.Tensor, upkeep: list
         mtp.layer(0).write_kv(positions, embed(tokens), hidden[torch.from_numpy(rows).to(device)])
 
 
+def _count(r: RequestRows) -> int:
+    """A request's decode rows: its known row and the ones after it (here: a decoding request's accepted ones)."""
+    return r.num_known + len(r.drafts)
+
+
 def _host(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
 def _run(model, mtp, depth: int, rows: list[RequestRows], positions: torch.Tensor, tokens: torch.Tensor,
          hidden: torch.Tensor, tables, env) -> torch.Tensor:
-    """One MTP depth over decode rows (one per drafting request), its KV written at their positions."""
+    """One MTP depth over decode rows (a request's row and the rows after it, `_count`), its KV written at their
+    positions."""
     kv_caches, block_size, device, batch_invariant, cpu_kernels = env
     pos = positions.cpu().numpy()
-    md = _metadata([tables[r.request_id][0] for r in rows], rows, [pos[i : i + 1] for i in range(len(rows))], pos,
-                   len(rows), None, block_size, device)
+    spans = [pos[r.first_row : r.first_row + _count(r)] for r in rows]
+    md = _metadata([tables[r.request_id][0] for r in rows], rows, spans, pos, len(pos), None, block_size, device)
     ctx = ForwardContext(attn=md, kv_caches=kv_caches, positions=positions, batch_invariant=batch_invariant,
                          cpu_kernels=cpu_kernels)
     with forward_context(ctx):
