@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
+import sys
 from types import ModuleType
 
 import torch
@@ -17,7 +19,8 @@ import torch
 logger = logging.getLogger("deepinfer")
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-SOURCES = ("quant_linear.cpp", "layer_ops.cpp", "attention.cpp", "decode_stack.cpp", "sampling.cpp", "bindings.cpp")
+# the slowest source first: ninja starts them in this order, so it does not compile alone at the end
+SOURCES = ("bindings.cpp", "quant_linear.cpp", "attention.cpp", "decode_stack.cpp", "layer_ops.cpp", "sampling.cpp")
 ISA_FLAGS = {
     "native": ["-march=native"],
     "avx2-vnni": ["-march=native", "-mno-avx512f", "-mavxvnni"],
@@ -38,6 +41,16 @@ def cpu_isa_flags() -> set[str]:
     return set()
 
 
+def _use_own_ninja() -> None:
+    """torch runs `ninja` from PATH. Put the ninja installed with this interpreter (a dependency) first, as an
+    activated venv would: without it a process whose PATH lacks the venv (`make test`, a script run with a bare
+    PATH) finds no ninja or another version, and ninja versions that differ rebuild each other's cache."""
+    bin_dir = os.path.dirname(sys.executable)
+    own = shutil.which("ninja", path=bin_dir)
+    if own and shutil.which("ninja") != own:
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.lru_cache(maxsize=None)
 def load(isa: str = "native") -> ModuleType | None:
     """The compiled ops for `isa` (see ISA_FLAGS), built on first use; None if they cannot be built here (callers
@@ -46,6 +59,8 @@ def load(isa: str = "native") -> ModuleType | None:
         raise ValueError(f"isa must be one of {sorted(ISA_FLAGS)}, got {isa!r}")
     try:
         from torch.utils.cpp_extension import load as load_extension
+
+        _use_own_ninja()
 
         tag = torch.backends.cpu.get_cpu_capability().lower() + ("" if isa == "native" else "_" + isa.replace("-", ""))
         return load_extension(

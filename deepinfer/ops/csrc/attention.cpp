@@ -6,8 +6,7 @@
 // same per-query computation for each token of a prefill chunk (one compiled copy of the segment step, no FMA
 // contraction), so a token gets the same bits from either path: the batch-invariant mode's attention. Queries in
 // float32; the cache in float32 or bfloat16 (each value widened to float32 as it is read).
-#include <torch/types.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 #include <algorithm>
 #include <cmath>
 #include <vector>

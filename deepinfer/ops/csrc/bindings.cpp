@@ -1,8 +1,12 @@
 // One extension module for deepinfer's compiled CPU ops (ops/cpu_ops.py builds it).
 
-#include <torch/extension.h>
+// torch's pybind11 type casters (tensors, optional, vectors) without the rest of <torch/extension.h>: half the
+// parse time of the build's slowest source
+#include <torch/csrc/utils/pybind.h>
 
 #include "ops.h"
+
+namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // compute ops release the GIL: with overlap scheduling the engine thread runs while the forward computes

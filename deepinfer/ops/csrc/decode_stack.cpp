@@ -1,5 +1,4 @@
 // DecodeStack (ops.h): a decode step's decoder layers in one call from Python and one parallel region.
-#include <ATen/Parallel.h>
 #include <omp.h>
 
 #include <cstring>
@@ -40,7 +39,7 @@ DecodeStack::DecodeStack(std::vector<Linear> linears, std::vector<torch::Tensor>
   head_dim_ = shape[2];
   for (size_t i = 0; i < norms.size(); ++i) {
     auto w = norms[i].contiguous();
-    TORCH_CHECK(w.scalar_type() == torch::kFloat32, "DecodeStack: norm weights must be float32");
+    TORCH_CHECK(w.scalar_type() == torch::kFloat, "DecodeStack: norm weights must be float32");
     std::vector<float> wo(w.numel());
     for (int64_t j = 0; j < w.numel(); ++j) wo[j] = w.data_ptr<float>()[j] + (float)offsets[i];
     wo_.push_back(std::move(wo));
@@ -57,13 +56,13 @@ DecodeStack::DecodeStack(std::vector<Linear> linears, std::vector<torch::Tensor>
     }
     TORCH_CHECK(std::get<6>(linears_[4 * l]) == qs + 2 * kvs && std::get<6>(linears_[4 * l + 1]) == H &&
                 std::get<6>(linears_[4 * l + 3]) == H, "DecodeStack: layer ", l, " shapes do not match");
-    TORCH_CHECK(cos_[l].scalar_type() == torch::kFloat32 && cos_[l].is_contiguous() && sin_[l].is_contiguous() &&
+    TORCH_CHECK(cos_[l].scalar_type() == torch::kFloat && cos_[l].is_contiguous() && sin_[l].is_contiguous() &&
                 2 * cos_[l].size(1) <= head_dim_ && sin_[l].sizes() == cos_[l].sizes(), "DecodeStack: bad rotary tables");
     max_positions_ = l == 0 ? cos_[l].size(0) : std::min(max_positions_, cos_[l].size(0));
     const auto& kc = k_caches_[l];
     const auto& vc = v_caches_[l];
     TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == vc.scalar_type() &&
-                (kc.scalar_type() == torch::kFloat32 || kc.scalar_type() == torch::kBFloat16) && kc.dim() == 3 &&
+                (kc.scalar_type() == torch::kFloat || kc.scalar_type() == torch::kBFloat16) && kc.dim() == 3 &&
                 kc.size(1) == kv_heads_ && kc.size(2) == head_dim_ && vc.sizes() == kc.sizes(),
                 "DecodeStack: KV caches must be float32 or bfloat16 [slots, kv_heads, head_dim]");
   }
@@ -73,7 +72,7 @@ DecodeStack::DecodeStack(std::vector<Linear> linears, std::vector<torch::Tensor>
     views_.push_back(quant_view(std::get<0>(w), std::get<1>(w), std::get<2>(w), std::get<3>(w), std::get<4>(w),
                                 std::get<5>(w), k));
     const auto& b = std::get<7>(w);
-    TORCH_CHECK(!b.has_value() || !b->defined() || (b->scalar_type() == torch::kFloat32 && b->is_contiguous()),
+    TORCH_CHECK(!b.has_value() || !b->defined() || (b->scalar_type() == torch::kFloat && b->is_contiguous()),
                 "DecodeStack: biases must be contiguous float32");
   }
 }
@@ -93,11 +92,11 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
                                    int64_t block_size) const {
   const size_t L = windows_.size(), G = slots.size();
   const int64_t final_norm = norm_index_.back(), H = (int64_t)wo_[final_norm].size();
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) == H, "DecodeStack: x must be float32 [T, ", H, "]");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) == H, "DecodeStack: x must be float32 [T, ", H, "]");
   TORCH_CHECK(G > 0 && tables.size() == G && lens.size() == G && block_size > 0, "DecodeStack: one slot mapping, "
               "table and length tensor per group");
   x = x.contiguous();
-  positions = positions.contiguous().to(torch::kInt64);
+  positions = positions.contiguous().to(torch::kLong);
   const int64_t T = x.size(0), qs = heads_ * head_dim_, kvs = kv_heads_ * head_dim_, D = head_dim_;
   TORCH_CHECK(positions.numel() == T, "DecodeStack: one position per row");
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -110,9 +109,9 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
   }
   // Everything the region reads is checked here: nothing inside it may throw.
   for (size_t g = 0; g < G; ++g) {
-    slots[g] = slots[g].contiguous().to(torch::kInt64);
-    tables[g] = tables[g].contiguous().to(torch::kInt64);
-    lens[g] = lens[g].contiguous().to(torch::kInt64);
+    slots[g] = slots[g].contiguous().to(torch::kLong);
+    tables[g] = tables[g].contiguous().to(torch::kLong);
+    lens[g] = lens[g].contiguous().to(torch::kLong);
     TORCH_CHECK(slots[g].numel() == T && lens[g].numel() == T && tables[g].dim() == 2 && tables[g].size(0) == T,
                 "DecodeStack: one slot, length and table per row");
     const int64_t *sl = slots[g].data_ptr<int64_t>(), *ln = lens[g].data_ptr<int64_t>();
@@ -128,7 +127,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
   const int64_t ld_qkv = views_[0].nb * 16, ld_o = views_[1].nb * 16, ld_gu = views_[2].nb * 16;
   const int64_t ld_dn = views_[3].nb * 16, I = std::get<6>(linears_[2]) / 2;
   const int64_t kmax = std::max({H, qs, I});
-  auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat);
   auto res = x.clone();
   auto h = torch::empty({T, H}, f32), tmp = torch::empty({T, H}, f32);
   auto qkv = torch::empty({T, ld_qkv}, f32), qc = torch::empty({T, qs}, f32), att = torch::empty({T, qs}, f32);

@@ -2,7 +2,7 @@
 // at::parallel_for) and the decode stack (which runs them inside one parallel region): the same code either way,
 // so the same bits.
 #pragma once
-#include <torch/types.h>
+#include "aten.h"
 
 #include <cstdint>
 

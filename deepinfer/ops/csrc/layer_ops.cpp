@@ -1,8 +1,7 @@
 // The per-layer work between matmuls, fused: one call instead of five to ten small torch ops each. float32.
 // Every row is computed on its own, in an order fixed by its width: results do not depend on the batch, the
 // thread count or the tile a row falls in.
-#include <torch/types.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -106,7 +105,7 @@ void cache_row(const float* k, const float* v, void* k_cache, void* v_cache, boo
 // residual += x (in place) and the norm is taken of the sum: a decoder layer's add-then-norm in one pass.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset,
                        c10::optional<torch::Tensor> residual) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1, "rms_norm: float32 [T, H] rows");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.stride(1) == 1, "rms_norm: float32 [T, H] rows");
   const int64_t T = x.size(0), H = x.size(1), sx = x.stride(0);
   auto out = torch::empty({T, H}, x.options());
   auto w = weight.contiguous();
@@ -115,7 +114,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double
   float* res = nullptr;
   int64_t sr = 0;
   if (residual.has_value()) {
-    TORCH_CHECK(residual->scalar_type() == torch::kFloat32 && residual->size(0) == T && residual->size(1) == H &&
+    TORCH_CHECK(residual->scalar_type() == torch::kFloat && residual->size(0) == T && residual->size(1) == H &&
                 residual->stride(1) == 1, "rms_norm: residual must be float32 [T, H] rows");
     res = residual->data_ptr<float>();
     sr = residual->stride(0);
@@ -131,7 +130,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double
 
 // [T, 2I] (gate | up) -> act(gate) * up [T, I]; act: 0 SiLU, 1 GELU (tanh approximation).
 torch::Tensor act_and_mul(torch::Tensor x, int64_t act) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) % 2 == 0, "act_and_mul: float32 [T, 2I]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) % 2 == 0, "act_and_mul: float32 [T, 2I]");
   x = x.contiguous();
   const int64_t T = x.size(0), I = x.size(1) / 2;
   auto out = torch::empty({T, I}, x.options());
@@ -147,10 +146,10 @@ torch::Tensor act_and_mul(torch::Tensor x, int64_t act) {
 // the first rotary_dim values of each head rotate by the position's angle in the rotate-half layout,
 // x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, each product rounded, as the torch path computes it.
 void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32, "rotary_: float32 q, k");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat, "rotary_: float32 q, k");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2),
               "rotary_: heads must be contiguous");
-  positions = positions.contiguous().to(torch::kInt64);
+  positions = positions.contiguous().to(torch::kLong);
   const int64_t T = q.size(0), half = cos.size(1), D = q.size(2);
   TORCH_CHECK(2 * half <= D && cos.is_contiguous() && sin.is_contiguous(), "rotary_: bad cos / sin tables");
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -175,7 +174,7 @@ void cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch:
                       v.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(narrow || (k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type()),
               "cache_write: dtype mismatch");
-  slots = slots.contiguous().to(torch::kInt64);
+  slots = slots.contiguous().to(torch::kLong);
   const int64_t T = k.size(0), S = k_cache.size(0);
   const int64_t kw = k.size(1) * k.size(2), vw = v.size(1) * v.size(2);
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2) &&

@@ -1,7 +1,7 @@
 // The compiled CPU ops of one extension module (ops/cpu_ops.py builds it), as the bindings expose them; the
 // row- and block-level pieces they share with the decode stack are in kernels.h.
 #pragma once
-#include <torch/types.h>
+#include "aten.h"
 
 #include <string>
 #include <vector>

@@ -12,8 +12,7 @@
 //   acc += float(isum) * (scale * d) ; acc += offset * (d * float(xsum))        isum = sum u * xq (exact, int32)
 // Every output row of every activation row runs exactly this sequence, whatever M, the tile it falls in or the
 // thread that runs it: a row's result does not depend on the rest of the batch (batch invariance).
-#include <torch/types.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -266,8 +265,8 @@ QuantView quant_view(const torch::Tensor& quants, const torch::Tensor& scales, c
   TORCH_CHECK(k % 32 == 0 && k % group == 0, "quant_linear: K=", k, " must be a multiple of 32 and of the group");
   const int64_t nb = quants.size(0);
   TORCH_CHECK(quants.numel() == nb * (k / group) * 16 * group * bits / 8, "quant_linear: quants do not match K=", k);
-  const bool half = scales.scalar_type() == torch::kFloat16;
-  TORCH_CHECK(half || scales.scalar_type() == torch::kFloat32, "quant_linear: scales must be float16 or float32");
+  const bool half = scales.scalar_type() == torch::kHalf;
+  TORCH_CHECK(half || scales.scalar_type() == torch::kFloat, "quant_linear: scales must be float16 or float32");
   const bool aff = offsets.numel() > 0;
   return QuantView{quants.data_ptr<uint8_t>(), scales.data_ptr(), aff ? offsets.data_ptr() : nullptr, (float)c,
                    bits, group, nb, k, half, aff};
@@ -287,14 +286,14 @@ void quant_blocks(const QuantView& w, const int8_t* xq, const float* xd, const i
 // x [M, K] float32 -> [M, N] float32 (+ bias). offsets: an empty tensor for symmetric formats (offset = c * scale).
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
                            int64_t bits, int64_t group, double c, int64_t n, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "quant_linear: x must be float32 [M, K]");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "quant_linear: x must be float32 [M, K]");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   const QuantView w = quant_view(quants, scales, offsets, bits, group, c, K);
-  auto xq = torch::empty({M, K}, torch::kInt8);
-  auto xd = torch::empty({M, K / 32}, torch::kFloat32);
-  auto xs = torch::empty({M, K / 16}, torch::kInt32);
-  auto out = torch::empty({M, w.nb * 16}, torch::kFloat32);
+  auto xq = torch::empty({M, K}, torch::kChar);
+  auto xd = torch::empty({M, K / 32}, torch::kFloat);
+  auto xs = torch::empty({M, K / 16}, torch::kInt);
+  auto out = torch::empty({M, w.nb * 16}, torch::kFloat);
   if (M > 0) {
     const float* xp = x.data_ptr<float>();
     int8_t* qp = xq.data_ptr<int8_t>();
@@ -317,10 +316,10 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor quants, torch::Tensor 
 // same bits as GGUF's own dequantization of Q8_0 / Q4_0 / Q5_0). The embedding lookup of a quantized table.
 torch::Tensor quant_rows(torch::Tensor ids, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
                          int64_t bits, int64_t group, double c, int64_t k) {
-  ids = ids.contiguous().to(torch::kInt64);
+  ids = ids.contiguous().to(torch::kLong);
   const int64_t T = ids.numel(), ng = k / group, qb = 16 * group * bits / 8;
-  auto out = torch::empty({T, k}, torch::kFloat32);
-  const bool aff = offsets.numel() > 0, half = scales.scalar_type() == torch::kFloat16;
+  auto out = torch::empty({T, k}, torch::kFloat);
+  const bool aff = offsets.numel() > 0, half = scales.scalar_type() == torch::kHalf;
   const auto* id = ids.data_ptr<int64_t>();
   const auto* q = quants.data_ptr<uint8_t>();
   const int64_t rows = quants.size(0) * 16;

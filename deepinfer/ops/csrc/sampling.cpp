@@ -1,7 +1,6 @@
 // Greedy sampling's reduction: the argmax of each row of [N, V] float32 logits, as torch.argmax defines it (the
 // first index of the largest value; a row holding NaN gives its first NaN), rows shared by the threads.
-#include <torch/types.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 #include <cmath>
 #include <cstdint>
 #if defined(__AVX512F__)
@@ -44,11 +43,11 @@ static int64_t argmax_row(const float* x, int64_t V) {
 }
 
 torch::Tensor argmax_rows(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) > 0,
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) > 0,
               "argmax_rows: float32 [N, V] with V > 0");
   x = x.contiguous();
   const int64_t N = x.size(0), V = x.size(1);
-  auto out = torch::empty({N}, torch::TensorOptions().dtype(torch::kInt64));
+  auto out = torch::empty({N}, torch::TensorOptions().dtype(torch::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
