@@ -231,31 +231,35 @@ static void attend(const float* __restrict__ qh, const KV* __restrict__ kp, cons
     for (int d = 0; d < DIM; ++d) out[g * DIM + d] = acc[g * DIM + d] / row_sum[g];
 }
 
-// Items begin..end-1 of a decode batch: item i is row i / (heads / per), query heads (i % (heads / per)) * per
-// and the per - 1 after them, which share one KV head. Row n is a query at position lens[n] - 1.
+// Items begin..end-1 of a decode batch: item i is the query heads [i * Q / items, (i + 1) * Q / items) of the
+// Q = rows * heads (row n's heads are n * heads ..), run piece by piece, a piece being the heads of the range that
+// share one KV head. Row n is a query at position lens[n] - 1.
 template <typename KV>
 static void items_of(const DecodeAttention& a, int64_t begin, int64_t end, float* scratch) {
   const KV* kp = static_cast<const KV*>(a.k_cache);
   const KV* vp = static_cast<const KV*>(a.v_cache);
-  const int64_t heads = a.heads, dim = a.dim, per = a.per, group = heads / a.kv_heads;
-  const int64_t items_per_row = heads / per;
+  const int64_t heads = a.heads, dim = a.dim, group = heads / a.kv_heads, total = a.rows * heads;
   float* scores = scratch;
-  float* acc = scores + per * a.block_size;
-  float* row_max = acc + per * dim;
-  float* row_sum = row_max + per;
+  float* acc = scores + a.per * a.block_size;
+  float* row_max = acc + a.per * dim;
+  float* row_sum = row_max + a.per;
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t n = item / items_per_row, first_head = (item % items_per_row) * per, len = a.lens[n];
-    const int64_t h = first_head / group;  // its KV head
-    const int64_t first = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
-    const float* qh = a.q + (n * heads + first_head) * dim;
-    float* o = a.out + (n * heads + first_head) * dim;
-    auto run = [&](auto fn) {
-      fn(qh, kp, vp, a.tables + n * a.width, first, len, a.block_size, a.kv_heads, h, per, a.scale, o, scores, acc,
-         row_max, row_sum);
-    };
-    if (dim == 64) run(attend<64, KV>);
-    else if (dim == 128) run(attend<128, KV>);
-    else run(attend<256, KV>);
+    const int64_t stop = (item + 1) * total / a.items;
+    for (int64_t head = item * total / a.items; head < stop;) {
+      const int64_t n = head / heads, h = (head % heads) / group, len = a.lens[n];  // row, KV head
+      const int64_t count = std::min(stop, n * heads + (h + 1) * group) - head;
+      const int64_t first = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+      const float* qh = a.q + head * dim;
+      float* o = a.out + head * dim;
+      auto run = [&](auto fn) {
+        fn(qh, kp, vp, a.tables + n * a.width, first, len, a.block_size, a.kv_heads, h, count, a.scale, o, scores,
+           acc, row_max, row_sum);
+      };
+      if (dim == 64) run(attend<64, KV>);
+      else if (dim == 128) run(attend<128, KV>);
+      else run(attend<256, KV>);
+      head += count;
+    }
   }
 }
 
@@ -264,29 +268,33 @@ DecodeAttention decode_attention(const float* q, const torch::Tensor& k_cache, c
                                  const int64_t* lens, int64_t block_size, double scale, int64_t window, float* out,
                                  int threads) {
   const int64_t kv_heads = k_cache.size(1), dim = k_cache.size(2), group = heads / kv_heads;
-  // Few (row, KV head) items for the threads (one user: 3 for SmolLM2 on 2 threads): one item per query head
-  // instead. A head's arithmetic is the same either way (no operation mixes heads), so the bits are too, as long as
-  // the group runs the code one head runs: with AVX-512, groups without their own compiled copy (other than 1, 2,
-  // 3, 4, 8) would run the portable loop, so they always go one head per item; the same with AVX2.
+  // Few (row, KV head) items for the threads (one user: 3 for SmolLM2 on 2 threads): one item per thread, the
+  // query heads split evenly, each KV head read by every thread that has some of its heads (SmolLM2: KV heads
+  // {0, 1} for heads 0-3, {1, 2} for heads 4-8), rather than a KV head per item (3 items on 2 threads) or a query
+  // head per item (each KV head read 3 times). A head's arithmetic is the same whatever piece it runs in (no
+  // operation mixes heads), so the bits are too, as long as every piece size runs the code one head runs: with
+  // AVX-512 and AVX2 the sizes with their own compiled copy are 1, 2, 3, 4 and 8, so the split is for groups up
+  // to 4; larger groups go one head per item when rows are few.
 #if defined(__AVX512F__) || defined(DI_ATTN_AVX2)
   const bool same_code = group == 1 || group == 2 || group == 3 || group == 4 || group == 8;
+  const bool any_piece = group <= 4;
 #else
-  const bool same_code = true;
+  const bool same_code = true, any_piece = true;
 #endif
-  // Under AVX2 (a 2-core EPYC) an item per KV head pays once every thread has one: reading a KV head again for each
-  // of its query heads costs more than the uneven split (SmolLM2, one row: 1.14x for 30 layers at 384 tokens).
-#if defined(DI_ATTN_AVX2)
-  const int64_t min_items = threads;
-#else
-  const int64_t min_items = 2 * threads;
-#endif
-  const int64_t per = rows * kv_heads < min_items || !same_code ? 1 : group;
+  const int64_t total = rows * heads;
+  int64_t per = group, items = rows * kv_heads;
+  if (!same_code) {
+    per = 1, items = total;
+  } else if (rows * kv_heads < 2 * threads && rows * kv_heads % threads != 0) {
+    if (any_piece) items = std::min<int64_t>(threads, total);
+    else per = 1, items = total;
+  }
   return DecodeAttention{q, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.scalar_type() == torch::kBFloat16,
                          rows, heads, kv_heads, dim, tables, width, lens, block_size, static_cast<float>(scale),
-                         window, out, per};
+                         window, out, per, items};
 }
 
-int64_t decode_items(const DecodeAttention& a) { return a.rows * (a.heads / a.per); }
+int64_t decode_items(const DecodeAttention& a) { return a.items; }
 
 int64_t decode_scratch(const DecodeAttention& a) { return a.per * (a.block_size + a.dim + 2); }
 

@@ -34,8 +34,10 @@ void rotary_row(float* x, int64_t heads, int64_t D, const float* c, const float*
 void cache_row(const float* k, const float* v, void* k_cache, void* v_cache, bool bf16, int64_t slot, int64_t kw,
                int64_t vw);
 
-// attention.cpp: paged decode attention split into items (a row's query heads sharing a KV head, or one query
-// head when there are few rows); scratch is per thread: decode_scratch floats.
+// attention.cpp: paged decode attention split into items. Item i is the query heads [i * Q / items, (i + 1) * Q /
+// items) of all Q = rows * heads, run as the pieces that share a KV head: a row's G heads of one KV head per item
+// when there are many rows, or `items` = the threads when there are few (a KV head read once per thread that
+// needs it, the heads split evenly); scratch is per thread: decode_scratch floats.
 struct DecodeAttention {
   const float* q;  // [rows, heads, dim]
   const void* k_cache;  // float or uint16_t (bfloat16 bits) [slots, kv_heads, dim]
@@ -49,7 +51,8 @@ struct DecodeAttention {
   float scale;
   int64_t window;
   float* out;  // [rows, heads, dim]
-  int64_t per;  // query heads per item
+  int64_t per;  // most query heads of one piece (sizes the scratch)
+  int64_t items;
 };
 DecodeAttention decode_attention(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                  int64_t rows, int64_t heads, const int64_t* tables, int64_t width,
