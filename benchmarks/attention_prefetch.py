@@ -25,14 +25,8 @@ from deepinfer.ops import cpu_ops  # noqa: E402
 
 
 def build(ahead: int, locality: int):
-    from torch.utils.cpp_extension import load
-
-    cpu_ops.load()  # puts this interpreter's ninja on PATH, as for the engine's own build
-    return load(name=f"deepinfer_attn_pf_{ahead}_{locality}",
-                sources=[os.path.join(cpu_ops._CSRC, s) for s in cpu_ops.SOURCES],
-                extra_cflags=["-O3", *cpu_ops.ISA_FLAGS["native"], "-ffp-contract=off", "-fopenmp",
-                              f"-DDI_ATTN_AHEAD={ahead}", f"-DDI_ATTN_LOC={locality}"],
-                extra_ldflags=["-fopenmp"])
+    return cpu_ops.build(f"deepinfer_attn_pf_{ahead}_{locality}", [*cpu_ops.ISA_FLAGS["native"],
+                         f"-DDI_ATTN_AHEAD={ahead}", f"-DDI_ATTN_LOC={locality}"])
 
 
 def main() -> None:

@@ -51,25 +51,26 @@ def _use_own_ninja() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
+def build(name: str, flags: list[str]) -> ModuleType:
+    """The ops compiled from csrc/ as extension `name` with these compiler flags besides -O3, no FMA contraction and
+    OpenMP (an instruction set, or -D variants a benchmark compares); raises where they cannot be built."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    _use_own_ninja()
+    return load_extension(name=name, sources=[os.path.join(_CSRC, s) for s in SOURCES],
+                          extra_cflags=["-O3", *flags, "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                          verbose=False)
+
+
 @functools.lru_cache(maxsize=None)
 def load(isa: str = "native") -> ModuleType | None:
     """The compiled ops for `isa` (see ISA_FLAGS), built on first use; None if they cannot be built here (callers
     then use torch ops: dequantized float32 weights for quantized layers)."""
     if isa not in ISA_FLAGS:
         raise ValueError(f"isa must be one of {sorted(ISA_FLAGS)}, got {isa!r}")
+    tag = torch.backends.cpu.get_cpu_capability().lower() + ("" if isa == "native" else "_" + isa.replace("-", ""))
     try:
-        from torch.utils.cpp_extension import load as load_extension
-
-        _use_own_ninja()
-
-        tag = torch.backends.cpu.get_cpu_capability().lower() + ("" if isa == "native" else "_" + isa.replace("-", ""))
-        return load_extension(
-            name=f"deepinfer_cpu_ops_{tag}",
-            sources=[os.path.join(_CSRC, s) for s in SOURCES],
-            extra_cflags=["-O3", *ISA_FLAGS[isa], "-ffp-contract=off", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        return build(f"deepinfer_cpu_ops_{tag}", ISA_FLAGS[isa])
     except Exception as exc:  # no compiler, no ninja, no headers: torch ops still work
         logger.warning("compiled CPU ops unavailable (%s: %s); using torch ops and dequantized float32 weights",
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")

@@ -293,13 +293,14 @@ DecodeAttention decode_attention(const float* q, const torch::Tensor& k_cache, c
 #else
   const bool same_code = true, any_piece = true;
 #endif
-  const int64_t total = rows * heads;
-  int64_t per = group, items = rows * kv_heads;
-  if (!same_code) {
-    per = 1, items = total;
-  } else if (rows * kv_heads < 2 * threads && rows * kv_heads % threads != 0) {
-    if (any_piece) items = std::min<int64_t>(threads, total);
-    else per = 1, items = total;
+  const int64_t total = rows * heads, pairs = rows * kv_heads;
+  const bool few = pairs < 2 * threads && pairs % threads != 0;
+  int64_t per = group, items = pairs;  // a row's G heads of one KV head per item
+  if (same_code && few && any_piece) {
+    items = std::min<int64_t>(threads, total);  // the heads split evenly, one item per thread
+  } else if (!same_code || few) {
+    per = 1;  // one query head per item
+    items = total;
   }
   return DecodeAttention{q, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.scalar_type() == torch::kBFloat16,
                          rows, heads, kv_heads, dim, tables, width, lens, block_size, static_cast<float>(scale),
