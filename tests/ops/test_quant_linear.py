@@ -92,15 +92,15 @@ def test_rows_equal_gguf_dequantization(kernels):
 def test_a_row_alone_equals_the_row_in_any_batch_and_thread_count(kernels, qtype):
     n, k = 48, 512
     packed = ql.pack(canonical(qtype, random_blocks(qtype, n, k, seed=7), (n, k)))
-    batch = torch.randn(37, k, generator=torch.Generator().manual_seed(0))
+    batch = torch.randn(300, k, generator=torch.Generator().manual_seed(0))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         alone = torch.cat([ql.linear(kernels, batch[i : i + 1], packed) for i in range(batch.shape[0])])
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            for m in (2, 3, 4, 5, 6, 7, 8, 9, 14, 16, 37):  # every tile shape and remainder
-                for start in (0, 37 - m):
+            for m in (2, 3, 4, 5, 6, 7, 8, 9, 14, 16, 37, 129, 300):  # every tile shape and remainder; row chunks
+                for start in (0, 300 - m):
                     got = ql.linear(kernels, batch[start : start + m], packed)
                     assert torch.equal(got, alone[start : start + m]), (threads, m, start)
     finally:

@@ -136,6 +136,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
   std::vector<int8_t> xq(T * kmax);
   std::vector<float> xd(T * kmax / 32);
   std::vector<int32_t> xs(T * kmax / 16);
+  std::vector<float> xt(T * 3 * kmax / 32);
   const int threads = at::get_num_threads();
   std::vector<DecodeAttention> plans;
   int64_t scratch = 0;
@@ -154,12 +155,13 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
   int8_t* xqp = xq.data();
   float* xdp = xd.data();
   int32_t* xsp = xs.data();
+  float* xtp = xt.data();
   auto quantize = [&](const float* row, int64_t t, int64_t K) {
-    quantize_row(row, K, xqp + t * K, xdp + t * (K / 32), xsp + t * (K / 16));
+    quantize_row(row, K, xqp + t * K, xdp + t * (K / 32), xsp + t * (K / 16), xtp + t * (3 * K / 32));
   };
   auto blocks = [&](size_t i, float* out, int64_t ld) {
     const auto [b0, b1] = share(views_[i].nb);
-    quant_blocks(views_[i], xqp, xdp, xsp, T, out, ld, b0, b1);
+    quant_blocks(views_[i], xqp, xdp, xsp, xtp, T, out, ld, b0, b1);
   };
   // src (+ bias), normed by `post` if the layer has that norm, is added to res; h = next(res), rounded for the
   // next linear layer unless it is the output. An orphaned worksharing loop: its rows are shared by the threads of

@@ -8,7 +8,9 @@
 //   scales  [N/16][K/G][16], fp16 or fp32; offsets the same (affine formats), or offset = c * scale (symmetric).
 //   A weight is w = scale * u + offset with u the unsigned quant (0..15 or 0..255).
 // Activations x [M, K] float32 -> xq int8 (round-to-nearest-even of x / d, d = max|x| / 127 per 32 values),
-// xd [M, K/32] the d's, xs [M, K/16] sums of xq per 16 values. Then per output (m, n), over groups g in order:
+// xd [M, K/32] the d's, xs [M, K/16] sums of xq per 16 values, xt [M, 3K/32] the offset terms' factors
+// d * float(xsum) per 16 values then per 32 (once per row, not once per block of outputs). Then per output (m, n),
+// over groups g in order:
 //   acc += float(isum) * (scale * d) ; acc += offset * (d * float(xsum))        isum = sum u * xq (exact, int32)
 // Every output row of every activation row runs exactly this sequence, whatever M, the tile it falls in or the
 // thread that runs it: a row's result does not depend on the rest of the batch (batch invariance).
@@ -89,6 +91,12 @@ inline int32_t group_xsum(const int32_t* xs, int64_t m, int64_t K, int64_t g) {
   return G == 32 ? row[2 * g] + row[2 * g + 1] : row[g];
 }
 
+// d * float(sum(xq)) over group g of activation row m, as quantize_row left it.
+template <int G>
+inline const float* group_term(const float* xt, int64_t m, int64_t K, int64_t g) {
+  return xt + m * (3 * K / 32) + (G == 32 ? K / 16 + g : g);
+}
+
 #if defined(DI_AVX512) || defined(DI_AVX2)
 // The weights stream from memory once per token: ask for the records kPrefetch groups ahead (past this block's
 // last group lies the next block's first, contiguous), so the memory system works ahead of the dot products.
@@ -116,7 +124,7 @@ template <> inline __m512 load16<uint16_t>(const uint16_t* p) {
 // MT activation rows x 16 output rows: out[m * ldo + 0..15].
 template <int MT, int BITS, int G, typename ST, bool AFF>
 void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
-          const int32_t* xs, int64_t K, float* out, int64_t ldo) {
+          const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
   constexpr int QB = 16 * G * BITS / 8;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[MT];
@@ -148,10 +156,9 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
     const __m512 sv = load16(s + g * 16);
     const __m512 ov = AFF ? load16(o + g * 16) : _mm512_mul_ps(sv, _mm512_set1_ps(c));
     for (int m = 0; m < MT; ++m) {
-      const float d = xd[m * (K / 32) + k0 / 32];
-      const int32_t xsum = group_xsum<G>(xs, m, K, g);
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(sv, _mm512_set1_ps(d)), acc[m]);
-      acc[m] = _mm512_fmadd_ps(ov, _mm512_set1_ps(d * (float)xsum), acc[m]);
+      const __m512 d = _mm512_set1_ps(xd[m * (K / 32) + k0 / 32]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(sv, d), acc[m]);
+      acc[m] = _mm512_fmadd_ps(ov, _mm512_set1_ps(*group_term<G>(xt, m, K, g)), acc[m]);
     }
   }
   for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
@@ -163,7 +170,7 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
 #else
 template <int MT, int BITS, int G, typename ST, bool AFF>
 void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
-          const int32_t* xs, int64_t K, float* out, int64_t ldo) {
+          const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
   constexpr int QB = 16 * G * BITS / 8;
   for (int m = 0; m < MT; ++m) {
     for (int j = 0; j < 16; ++j) {
@@ -175,9 +182,8 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
         const float sv = scalar_of(s, (int)(g * 16 + j));
         const float ov = AFF ? scalar_of(o, (int)(g * 16 + j)) : sv * c;
         const float d = xd[m * (K / 32) + g * G / 32];
-        const int32_t xsum = group_xsum<G>(xs, m, K, g);
         acc = std::fma((float)isum, sv * d, acc);
-        acc = std::fma(ov, d * (float)xsum, acc);
+        acc = std::fma(ov, *group_term<G>(xt, m, K, g), acc);
       }
       out[m * ldo + j] = acc;
     }
@@ -188,7 +194,7 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
 }  // namespace
 
 // One row of x rounded to int8 per 32 values; plain C++ (vectorised by the compiler), no FMA contraction.
-void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, int32_t* xs) {
+void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, int32_t* xs, float* xt) {
   for (int64_t b = 0; b < K / 32; ++b) {
     const float* v = x + 32 * b;
     float amax = 0.f;
@@ -205,14 +211,17 @@ void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, int32_t* xs)
     xd[b] = d;
     xs[2 * b] = s0;
     xs[2 * b + 1] = s1;
+    xt[2 * b] = d * (float)s0;
+    xt[2 * b + 1] = d * (float)s1;
+    xt[K / 16 + b] = d * (float)(s0 + s1);
   }
 }
 
 namespace {
 
 template <int BITS, int G, typename ST, bool AFF>
-void blocks(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, const int8_t* xq, const float* xd,
-            const int32_t* xs, int64_t M, float* out, int64_t ldo, int64_t begin, int64_t end) {
+void block_rows(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, const int8_t* xq, const float* xd,
+                const int32_t* xs, const float* xt, int64_t M, float* out, int64_t ldo, int64_t begin, int64_t end) {
   const int64_t ng = K / G;
   const int64_t qb = 16 * G * BITS / 8;
   for (int64_t b = begin; b < end; ++b) {
@@ -223,12 +232,13 @@ void blocks(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, cons
     // Tiles of kMaxTile rows, then one tile of the rest (one pass over the weight block per tile): every row runs
     // the same per-row sequence whatever tile it falls in.
     for (; m + kMaxTile <= M; m += kMaxTile)
-      tile<kMaxTile, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16), K,
-                                       out + m * ldo + 16 * b, ldo);
+      tile<kMaxTile, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16),
+                                       xt + m * (3 * K / 32), K, out + m * ldo + 16 * b, ldo);
 #if defined(DI_AVX512) || defined(DI_AVX2)
     auto rest = [&](auto rows) {
       tile<decltype(rows)::value, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32),
-                                                    xs + m * (K / 16), K, out + m * ldo + 16 * b, ldo);
+                                                    xs + m * (K / 16), xt + m * (3 * K / 32), K,
+                                                    out + m * ldo + 16 * b, ldo);
     };
     switch (M - m) {
 #if defined(DI_AVX512)
@@ -246,14 +256,33 @@ void blocks(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, cons
   }
 }
 
+// Many rows (a prompt) go in chunks of kRowChunk: a chunk's activations stay in L2 while this thread's weight
+// blocks pass over them (all rows at once stream the activations from L3 for every block of outputs). A multiple
+// of every tile height, so rows fall in the same tiles; and a row's result does not depend on its tile anyway.
+// Measured (SmolLM2's four linear shapes at 2,048 rows, 2 threads): 61.2 ms unchunked, 57.3 / 55.1 / 56.2 ms in
+// chunks of 64 / 128 / 256 rows.
+#ifndef DI_ROW_CHUNK
+#define DI_ROW_CHUNK 128
+#endif
+constexpr int64_t kRowChunk = DI_ROW_CHUNK;
+
+template <int BITS, int G, typename ST, bool AFF>
+void blocks(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, const int8_t* xq, const float* xd,
+            const int32_t* xs, const float* xt, int64_t M, float* out, int64_t ldo, int64_t begin, int64_t end) {
+  for (int64_t m = 0; m < M; m += kRowChunk)
+    block_rows<BITS, G, ST, AFF>(q, s, o, c, K, xq + m * K, xd + m * (K / 32), xs + m * (K / 16),
+                                 xt + m * (3 * K / 32), std::min(kRowChunk, M - m), out + m * ldo, ldo, begin, end);
+}
+
 template <typename ST, bool AFF>
-void blocks_of(const QuantView& w, const int8_t* xq, const float* xd, const int32_t* xs, int64_t M, float* out,
+void blocks_of(const QuantView& w, const int8_t* xq, const float* xd, const int32_t* xs, const float* xt, int64_t M,
+               float* out,
                int64_t ldo, int64_t begin, int64_t end) {
   const auto* s = static_cast<const ST*>(w.scales);
   const auto* o = static_cast<const ST*>(w.offsets);
-  if (w.bits == 4 && w.group == 32) return blocks<4, 32, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, M, out, ldo, begin, end);
-  if (w.bits == 8 && w.group == 32) return blocks<8, 32, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, M, out, ldo, begin, end);
-  if (w.bits == 8 && w.group == 16) return blocks<8, 16, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, M, out, ldo, begin, end);
+  if (w.bits == 4 && w.group == 32) return blocks<4, 32, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end);
+  if (w.bits == 8 && w.group == 32) return blocks<8, 32, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end);
+  if (w.bits == 8 && w.group == 16) return blocks<8, 16, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end);
 }
 
 }  // namespace
@@ -272,14 +301,14 @@ QuantView quant_view(const torch::Tensor& quants, const torch::Tensor& scales, c
                    bits, group, nb, k, half, aff};
 }
 
-void quant_blocks(const QuantView& w, const int8_t* xq, const float* xd, const int32_t* xs, int64_t M, float* out,
-                  int64_t ldo, int64_t begin, int64_t end) {
+void quant_blocks(const QuantView& w, const int8_t* xq, const float* xd, const int32_t* xs, const float* xt,
+                  int64_t M, float* out, int64_t ldo, int64_t begin, int64_t end) {
   if (w.half) {
-    if (w.affine) blocks_of<uint16_t, true>(w, xq, xd, xs, M, out, ldo, begin, end);
-    else blocks_of<uint16_t, false>(w, xq, xd, xs, M, out, ldo, begin, end);
+    if (w.affine) blocks_of<uint16_t, true>(w, xq, xd, xs, xt, M, out, ldo, begin, end);
+    else blocks_of<uint16_t, false>(w, xq, xd, xs, xt, M, out, ldo, begin, end);
   } else {
-    if (w.affine) blocks_of<float, true>(w, xq, xd, xs, M, out, ldo, begin, end);
-    else blocks_of<float, false>(w, xq, xd, xs, M, out, ldo, begin, end);
+    if (w.affine) blocks_of<float, true>(w, xq, xd, xs, xt, M, out, ldo, begin, end);
+    else blocks_of<float, false>(w, xq, xd, xs, xt, M, out, ldo, begin, end);
   }
 }
 
@@ -293,18 +322,21 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor quants, torch::Tensor 
   auto xq = torch::empty({M, K}, torch::kChar);
   auto xd = torch::empty({M, K / 32}, torch::kFloat);
   auto xs = torch::empty({M, K / 16}, torch::kInt);
+  auto xt = torch::empty({M, 3 * K / 32}, torch::kFloat);
   auto out = torch::empty({M, w.nb * 16}, torch::kFloat);
   if (M > 0) {
     const float* xp = x.data_ptr<float>();
     int8_t* qp = xq.data_ptr<int8_t>();
     float* dp = xd.data_ptr<float>();
     int32_t* sp = xs.data_ptr<int32_t>();
+    float* tp = xt.data_ptr<float>();
     at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) quantize_row(xp + m * K, K, qp + m * K, dp + m * (K / 32), sp + m * (K / 16));
+      for (int64_t m = begin; m < end; ++m)
+        quantize_row(xp + m * K, K, qp + m * K, dp + m * (K / 32), sp + m * (K / 16), tp + m * (3 * K / 32));
     });
     float* op = out.data_ptr<float>();
     at::parallel_for(0, w.nb, 1, [&](int64_t begin, int64_t end) {
-      quant_blocks(w, qp, dp, sp, M, op, w.nb * 16, begin, end);
+      quant_blocks(w, qp, dp, sp, tp, M, op, w.nb * 16, begin, end);
     });
   }
   if (w.nb * 16 != n) out = out.narrow(1, 0, n).contiguous();

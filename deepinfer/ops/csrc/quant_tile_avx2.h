@@ -1,6 +1,6 @@
 // Part of quant_linear.cpp, included there inside its anonymous namespace when the build has AVX2 but not
-// AVX-512 VNNI: tile() for AVX2, with AVX-VNNI's dpbusd or with maddubs. It uses load_i32, group_xsum and
-// prefetch_ahead from quant_linear.cpp and follows the record layout and arithmetic described at its top.
+// AVX-512 VNNI: tile() for AVX2, with AVX-VNNI's dpbusd or with maddubs. It uses load_i32, group_xsum, group_term
+// and prefetch_ahead from quant_linear.cpp and follows the record layout and arithmetic described at its top.
 template <typename ST> inline __m256 load8(const ST* p);
 template <> inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
 template <> inline __m256 load8<uint16_t>(const uint16_t* p) {
@@ -20,7 +20,7 @@ inline __m256i widen16(__m256i s16) { return _mm256_madd_epi16(s16, _mm256_set1_
 
 template <int MT, int BITS, int G, typename ST, bool AFF>
 void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
-          const int32_t* xs, int64_t K, float* out, int64_t ldo) {
+          const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
   constexpr int QB = 16 * G * BITS / 8;
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int half = 0; half < 2; ++half) {  // lanes 0-7, then 8-15
@@ -89,7 +89,7 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
       for (int m = 0; m < MT; ++m) {
         const float d = xd[m * (K / 32) + k0 / 32];
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(sv, _mm256_set1_ps(d)), acc[m]);
-        acc[m] = _mm256_fmadd_ps(ov, _mm256_set1_ps(d * (float)xsum[m]), acc[m]);
+        acc[m] = _mm256_fmadd_ps(ov, _mm256_set1_ps(*group_term<G>(xt, m, K, g)), acc[m]);
       }
     }
     for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo + 8 * half, acc[m]);
