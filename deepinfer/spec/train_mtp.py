@@ -214,6 +214,8 @@ def train(model: str | None, out_dir: str | None, cfg: TrainConfig) -> str:
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
+    from deepinfer.models.gguf_views import plain_gguf_views
+
     from deepinfer.spec.mtp_head import MTPHeadMeta, default_head_dir, save_head
 
     if cfg.threads:
@@ -224,7 +226,8 @@ def train(model: str | None, out_dir: str | None, cfg: TrainConfig) -> str:
     logger.info("corpus: %d sequences, %d tokens (%.0f s)", len(samples), sum(len(s.ids) for s in samples),
                 time.perf_counter() - start)
     directory, name = os.path.split(path) if path.endswith(".gguf") else (path, None)
-    hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    with plain_gguf_views():
+        hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
     hf.config._attn_implementation = "sdpa"
     config = hf.config
     vocab = draft_vocabulary([s.ids.tolist() for s in samples], config.vocab_size, cfg.draft_vocab)

@@ -5,6 +5,7 @@ import os
 
 import torch
 
+from deepinfer.models.gguf_views import plain_gguf_views
 from deepinfer.models.loader import resolve_model_path
 
 PROMPTS = [
@@ -22,8 +23,9 @@ def transformers_greedy(prompts: list[str], num_tokens: int = NUM_TOKENS) -> lis
 
     path = resolve_model_path(None)
     directory, name = os.path.dirname(path), os.path.basename(path)
-    tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    with plain_gguf_views():
+        tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for prompt in prompts:

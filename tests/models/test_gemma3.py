@@ -24,6 +24,7 @@ import transformers
 
 from deepinfer.llm import LLM
 from deepinfer.models.gemma3 import FULL, SLIDING, Gemma3ForCausalLM
+from deepinfer.models.gguf_views import plain_gguf_views
 from deepinfer.models.loader import GEMMA3_270M, GEMMA3_270M_INSTALL
 
 from .hf_reference import hf_greedy, ours_greedy, record_logits, save_tiny
@@ -124,9 +125,10 @@ def test_unsupported_config_is_rejected(field, value):
 def transformers_greedy(gguf_path: str, prompts: list[list[int]], steps: int) -> list[dict]:
     """Greedy tokens from transformers on the GGUF (dequantized, float32), with the smallest top-1/top-2 logit gap."""
     path = Path(gguf_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    with plain_gguf_views():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
     results = []
     with torch.no_grad():
         for prompt in prompts:

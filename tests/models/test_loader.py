@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from deepinfer.models import loader
+from deepinfer.models.gguf_views import plain_gguf_views
 from deepinfer.models.loader import (
     DEFAULT_MODEL_INSTALL,
     ModelFiles,
@@ -38,9 +39,10 @@ def _transformers_gguf(path: str):
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF model")
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
+    with plain_gguf_views():
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+        )
     return model.state_dict(), model.config
 
 
@@ -95,7 +97,9 @@ def test_gguf_weights_in_other_dtypes(smollm2, smollm2_weights) -> None:
 def test_gguf_tokenizer_matches_transformers_and_is_cached(smollm2, tmp_path) -> None:
     from transformers import AutoTokenizer
 
-    reference = AutoTokenizer.from_pretrained(os.path.dirname(smollm2.path), gguf_file=os.path.basename(smollm2.path))
+    with plain_gguf_views():
+        reference = AutoTokenizer.from_pretrained(os.path.dirname(smollm2.path),
+                                                  gguf_file=os.path.basename(smollm2.path))
     converted = load_tokenizer(smollm2, cache_dir=str(tmp_path))
     (cache,) = (tmp_path / "tokenizers").iterdir()
     cached = load_tokenizer(smollm2, cache_dir=str(tmp_path))
@@ -332,3 +336,25 @@ def test_gemma3_tokenizer_has_a_chat_template(gemma3) -> None:
     assert tok("Hello world").input_ids == [2, 9259, 1902]  # <bos> Hello ▁world
     prompt = tok.apply_chat_template(HI, tokenize=False, add_generation_prompt=True)
     assert prompt == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+
+
+def test_plain_gguf_views_read_the_same_file_and_put_numpy_back(tmp_path) -> None:
+    path = tmp_path / "views.gguf"
+    values = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)
+    _write_gguf(path, "llama", _llama_metadata(1), {"blk.0.ffn_down.weight": (values, None)})
+    import gguf.gguf_reader as reader_module
+
+    def read() -> tuple[dict, list]:
+        reader = gguf.GGUFReader(str(path))
+        fields = {name: [bytes(part) for part in field.parts] for name, field in reader.fields.items()}
+        return fields, [(t.name, np.array(t.data)) for t in reader.tensors]
+
+    with plain_gguf_views():
+        assert reader_module.np is not np
+        fast = read()
+    assert reader_module.np is np
+    slow = read()
+    assert fast[0] == slow[0]
+    assert [n for n, _ in fast[1]] == [n for n, _ in slow[1]] == ["blk.0.ffn_down.weight"]
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(fast[1], slow[1]))
+    assert np.array_equal(fast[1][0][1].reshape(ROWS, COLS), values)

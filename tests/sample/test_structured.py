@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
+from deepinfer.models.gguf_views import plain_gguf_views  # noqa: E402
 from deepinfer.models.loader import resolve_model_path  # noqa: E402
 from deepinfer.sample.structured import GrammarCompiler, GrammarMatcher, fill_masks  # noqa: E402
 from tests.sample.json_schemas import (  # noqa: E402
@@ -45,7 +46,8 @@ def one_torch_thread():
 def tokenizer():
     transformers = pytest.importorskip("transformers")
     gguf = resolve_model_path(None)  # the bundled model, wherever its package is installed
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+    with plain_gguf_views():
+        return transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
 
 
 @pytest.fixture(scope="module")
