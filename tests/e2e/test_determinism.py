@@ -210,7 +210,7 @@ def test_measure_how_often_outputs_differ_without_the_switch(targets, record_pro
     here comes from the batch, the chunking or the cache, not from run-to-run noise."""
     llm = LLM(dtype="float32", batch_invariant=False, kv_cache_memory=KV)
     small = LLM(dtype="float32", batch_invariant=False, kv_cache_memory=KV, max_num_batched_tokens=SMALL_BUDGET)
-    mixed = [1, 4, 9, 12, 19]  # half the targets, greedy and sampled: a count, not a bound
+    mixed = [4, 9, 19]  # short to long, greedy and sampled: a count, not a bound
     runs = scenarios(llm, small, targets, mixed, every_alone=False)
     report = {}
     for scenario, results in runs.items():
