@@ -246,6 +246,13 @@ static void attend(const float* __restrict__ qh, const KV* __restrict__ kp, cons
 // Items begin..end-1 of a decode batch: item i is the query heads [i * Q / items, (i + 1) * Q / items) of the
 // Q = rows * heads (row n's heads are n * heads ..), run piece by piece, a piece being the heads of the range that
 // share one KV head. Row n is a query at position lens[n] - 1.
+// Slots, not items, are what callers split among threads in contiguous ranges: slot 2j is item j and slot 2j + 1 is
+// item items - 1 - j, so each range holds short and long rows alike (a prompt's queries grow by one key each, decode
+// rows come longest context first); an item's arithmetic does not depend on where it runs.
+static inline int64_t item_at(int64_t slot, int64_t items) {
+  return slot % 2 == 0 ? slot / 2 : items - 1 - slot / 2;
+}
+
 template <typename KV>
 static void items_of(const DecodeAttention& a, int64_t begin, int64_t end, float* scratch) {
   const KV* kp = static_cast<const KV*>(a.k_cache);
@@ -255,7 +262,8 @@ static void items_of(const DecodeAttention& a, int64_t begin, int64_t end, float
   float* acc = scores + a.per * a.block_size;
   float* row_max = acc + a.per * dim;
   float* row_sum = row_max + a.per;
-  for (int64_t item = begin; item < end; ++item) {
+  for (int64_t slot = begin; slot < end; ++slot) {
+    const int64_t item = item_at(slot, a.items);
     const int64_t stop = (item + 1) * total / a.items;
     for (int64_t head = item * total / a.items; head < stop;) {
       const int64_t n = head / heads, h = (head % heads) / group, len = a.lens[n];  // row, KV head

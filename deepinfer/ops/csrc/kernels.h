@@ -61,4 +61,5 @@ DecodeAttention decode_attention(const float* q, const torch::Tensor& k_cache, c
                                  int threads);
 int64_t decode_items(const DecodeAttention& a);
 int64_t decode_scratch(const DecodeAttention& a);
+// slots begin..end-1: the items in an order whose contiguous ranges mix short and long rows (attention.cpp)
 void decode_item_range(const DecodeAttention& a, int64_t begin, int64_t end, float* scratch);
