@@ -71,20 +71,22 @@ def test_kernel_refuses_what_it_does_not_handle(kernel):
                BS, 0.1, -1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (8, 1), (4, 4)])
 @pytest.mark.parametrize("window", [None, 21])
-def test_prefill_queries_give_the_decode_bits_of_their_position(kernels, window):
+def test_prefill_queries_give_the_decode_bits_of_their_position(kernels, window, heads, kv_heads, dtype):
     """Batch-invariant mode relies on it: query t of a prefill chunk equals, bit for bit, a decode at its position,
-    whatever chunk it came in."""
+    whatever chunk it came in, from a float32 or a bfloat16 cache, for groups of 3, 8 and 1 query heads."""
     gen = torch.Generator().manual_seed(7)
-    heads, kv_heads, dim, num_blocks = 6, 2, 64, 16
-    k = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen)
-    v = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen)
+    dim, num_blocks = 64, 16
+    k = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen).to(dtype)
     table = torch.randperm(num_blocks, generator=gen)
     q = torch.randn(70, heads, dim, generator=gen)
     scale, w = dim**-0.5, window or -1
     decodes = torch.stack([kernels.paged_decode(q[t : t + 1], k, v, table[None], torch.tensor([t + 1]), BS, scale, w)[0]
                            for t in range(70)])
-    for chunks in ([70], [1, 69], [16, 16, 38], [5, 40, 25]):
+    for chunks in ([70], [1, 69], [16, 16, 38], [5, 40, 25], [3, 2, 65]):
         start, got = 0, []
         for n in chunks:
             got.append(kernels.paged_prefill(q[start : start + n], k, v, table, start, BS, scale, w))
