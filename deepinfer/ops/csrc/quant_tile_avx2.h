@@ -32,8 +32,6 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
       if (half == 0) prefetch_ahead<QB>(q + g * QB, s + g * 16, AFF ? o + g * 16 : nullptr);
       __m256i isum[MT];
       for (int m = 0; m < MT; ++m) isum[m] = _mm256_setzero_si256();
-      int32_t xsum[MT];
-      for (int m = 0; m < MT; ++m) xsum[m] = group_xsum<G>(xs, m, K, g);
       if (BITS == 4) {
 #if defined(DI_AVXVNNI)
         for (int p = 0; p < G / 8; ++p) {
@@ -81,7 +79,8 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
             isum[m] = _mm256_add_epi32(isum[m], widen16(_mm256_maddubs_epi16(wa, x)));
           }
         }
-        for (int m = 0; m < MT; ++m) isum[m] = _mm256_add_epi32(isum[m], _mm256_set1_epi32(128 * xsum[m]));
+        for (int m = 0; m < MT; ++m)
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_set1_epi32(128 * group_xsum<G>(xs, m, K, g)));
 #endif
       }
       const __m256 sv = load8(s + g * 16 + 8 * half);
