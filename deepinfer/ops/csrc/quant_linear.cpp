@@ -193,9 +193,45 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
 
 }  // namespace
 
-// One row of x rounded to int8 per 32 values; plain C++ (vectorised by the compiler), no FMA contraction.
+// One row of x rounded to int8 per 32 values, no FMA contraction. The block's max is exact in any order, the
+// divisions are IEEE in a vector as in a scalar, and rounding to nearest even then converting is what
+// nearbyint then (int) does: the AVX-512 body gives the portable body's bits (tests/ops compares the builds).
+// A NaN is skipped by the max in both (std::max(acc, NaN) keeps acc; vmaxps returns its second operand).
 void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, int32_t* xs, float* xt) {
-  for (int64_t b = 0; b < K / 32; ++b) {
+  const int64_t nb = K / 32;
+#if defined(DI_AVX512)
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  for (int64_t b0 = 0; b0 < nb; b0 += 16) {  // 16 blocks: their maxima, then their d and 1/d in one division each
+    const int n = (int)std::min<int64_t>(16, nb - b0);
+    alignas(64) float amax[16] = {0.f};
+    for (int i = 0; i < n; ++i) {
+      const float* v = x + 32 * (b0 + i);
+      const __m512 a = _mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(v), absmask), _mm512_setzero_ps());
+      amax[i] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(v + 16), absmask), a));
+    }
+    const __m512 d = _mm512_div_ps(_mm512_load_ps(amax), _mm512_set1_ps(127.f));
+    const __mmask16 pos = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_GT_OQ);
+    alignas(64) float dd[16], id[16];
+    _mm512_store_ps(dd, d);
+    _mm512_store_ps(id, _mm512_maskz_div_ps(pos, _mm512_set1_ps(1.f), d));
+    for (int i = 0; i < n; ++i) {
+      const int64_t b = b0 + i;
+      const __m512 inv = _mm512_set1_ps(id[i]);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * b), inv));
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * b + 16), inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 32 * b), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
+      const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+      xd[b] = dd[i];
+      xs[2 * b] = s0;
+      xs[2 * b + 1] = s1;
+      xt[2 * b] = dd[i] * (float)s0;
+      xt[2 * b + 1] = dd[i] * (float)s1;
+      xt[K / 16 + b] = dd[i] * (float)(s0 + s1);
+    }
+  }
+#else
+  for (int64_t b = 0; b < nb; ++b) {
     const float* v = x + 32 * b;
     float amax = 0.f;
     for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
@@ -215,6 +251,7 @@ void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, int32_t* xs,
     xt[2 * b + 1] = d * (float)s1;
     xt[K / 16 + b] = d * (float)(s0 + s1);
   }
+#endif
 }
 
 namespace {
