@@ -10,10 +10,12 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
+#include <type_traits>
 
 #include "kernels.h"
 #include "vexp.h"
 #include "attention_avx2.h"  // defines DI_ATTN_AVX2 and block_step_avx2 when it applies
+#include "attention_avx512.h"  // attend_avx512 when the CPU has AVX-512
 
 // One cached row of DIM values as float32: a float32 row is read in place; a bfloat16 row (the top half of each
 // float32's bits) is widened into `buffer`.
@@ -42,108 +44,9 @@ static inline float softmax_segment(float* __restrict__ sg, int64_t count, float
   return rescale;
 }
 
-#if defined(__AVX512F__)
-// softmax_segment with the maximum and the sum taken 16 scores at a time.
-static inline float softmax_segment16(float* __restrict__ sg, int64_t count, float& row_max, float& row_sum) {
-  __m512 m = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < count; i += 16) {
-    const __mmask16 k = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
-    m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, sg + i));
-  }
-  const float new_max = std::max(row_max, _mm512_reduce_max_ps(m));
-  const float rescale = std::exp(row_max - new_max);
-  row_max = new_max;
-  exp_shifted(sg, count, new_max);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t i = 0; i < count; i += 16) {
-    const __mmask16 k = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
-    sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(k, sg + i));
-  }
-  row_sum = row_sum * rescale + _mm512_reduce_add_ps(sum);
-  return rescale;
-}
-
-// One cached row as DIM / 16 registers of float32 (a bfloat16 row widened on the way in).
-template <int DIM>
-static inline void load_row(const float* row, __m512* out) {
-  for (int c = 0; c < DIM / 16; ++c) out[c] = _mm512_loadu_ps(row + 16 * c);
-}
-template <int DIM>
-static inline void load_row(const uint16_t* row, __m512* out) {
-  for (int c = 0; c < DIM / 16; ++c)
-    out[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))), 16));
-}
-
-// The 16 horizontal sums of v[0..16) as one register: lane i = v[i][0] + ... + v[i][15], by a tree of in-lane
-// unpacks and 128-bit lane shuffles (~2 shuffles and 1 add per key instead of 4 and 4 for one reduction per key).
-static inline __m512 hsum16(const __m512* v) {
-  __m512 s[8], t[4], u[2];
-  for (int j = 0; j < 8; ++j)  // per 128-bit lane: [v2j 0+2, v2j+1 0+2, v2j 1+3, v2j+1 1+3]
-    s[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-  for (int j = 0; j < 4; ++j) {  // per 128-bit lane: the four vectors 4j..4j+3, each summed over that lane
-    const __m512d a = _mm512_castps_pd(s[2 * j]), b = _mm512_castps_pd(s[2 * j + 1]);
-    t[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int j = 0; j < 2; ++j)  // lanes 0+1 and 2+3 of t[2j], then of t[2j+1]
-    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-}
-
-// block_step with the G query heads and the G accumulators in registers. Keys 16 at a time: each widened once into
-// `wide`, each head's 16 partial products summed by one hsum16 into 16 scores (for one
-// head too: an item per query head must give the bits of an item per KV head); each value widened once into registers and added to the G accumulators.
-template <int DIM, int GROUP, typename KV>
-static inline void block_step_avx512(const float* __restrict__ qh, const KV* __restrict__ kb,
-                                     const KV* __restrict__ vb, int64_t count, int64_t stride, int64_t block_size,
-                                     float scale, float* __restrict__ scores, float* __restrict__ acc,
-                                     float* __restrict__ row_max, float* __restrict__ row_sum) {
-  constexpr int C = DIM / 16;
-  alignas(64) float wide[16 * DIM];
-  for (int64_t i0 = 0; i0 < count; i0 += 16) {
-    const int n = (int)std::min<int64_t>(16, count - i0);
-    for (int i = 0; i < n; ++i) {
-      __m512 kr[C];
-      load_row<DIM>(kb + (i0 + i) * stride, kr);
-      for (int c = 0; c < C; ++c) _mm512_store_ps(wide + i * DIM + 16 * c, kr[c]);
-    }
-    for (int g = 0; g < GROUP; ++g) {
-      __m512 qv[C], part[16];
-      for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qh + g * DIM + 16 * c);
-      for (int i = 0; i < 16; ++i) {
-        if (i < n) {
-          __m512 p = _mm512_mul_ps(qv[0], _mm512_load_ps(wide + i * DIM));
-          for (int c = 1; c < C; ++c) p = _mm512_fmadd_ps(qv[c], _mm512_load_ps(wide + i * DIM + 16 * c), p);
-          part[i] = p;
-        } else {
-          part[i] = _mm512_setzero_ps();
-        }
-      }
-      const __mmask16 keep = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
-      _mm512_mask_storeu_ps(scores + g * block_size + i0, keep, _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale)));
-    }
-  }
-  float rescale[GROUP];  // one rescale per segment
-  for (int g = 0; g < GROUP; ++g) rescale[g] = softmax_segment16(scores + g * block_size, count, row_max[g], row_sum[g]);
-  __m512 av[GROUP][C];
-  for (int g = 0; g < GROUP; ++g)
-    for (int c = 0; c < C; ++c) av[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * DIM + 16 * c), _mm512_set1_ps(rescale[g]));
-  for (int64_t i = 0; i < count; ++i) {
-    __m512 vr[C];
-    load_row<DIM>(vb + i * stride, vr);
-    for (int g = 0; g < GROUP; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * block_size + i]);
-      for (int c = 0; c < C; ++c) av[g][c] = _mm512_fmadd_ps(p, vr[c], av[g][c]);
-    }
-  }
-  for (int g = 0; g < GROUP; ++g)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * DIM + 16 * c, av[g][c]);
-}
-#endif
 
 // One segment (count <= block_size consecutive keys of one block) for the G query heads of one (query, KV head):
-// the online-softmax update. noinline: decode and prefill run this very machine code in the same order of segments,
+// the online-softmax update (with AVX-512, groups of 1, 2, 3, 4 and 8 go through attend_avx512). noinline: decode and prefill run this very machine code in the same order of segments,
 // so a token's result does not depend on which path computed it (batch-invariant mode relies on it).
 template <int DIM, int GROUP, typename KV>  // GROUP 0: the group size is only known at run time (`group`)
 __attribute__((noinline)) static void block_step(const float* __restrict__ qh, const KV* __restrict__ kb,
@@ -151,12 +54,7 @@ __attribute__((noinline)) static void block_step(const float* __restrict__ qh, c
                                                  int64_t group, int64_t block_size, float scale,
                                                  float* __restrict__ scores, float* __restrict__ acc,
                                                  float* __restrict__ row_max, float* __restrict__ row_sum) {
-#if defined(__AVX512F__)
-  if constexpr (GROUP > 0) {
-    block_step_avx512<DIM, GROUP, KV>(qh, kb, vb, count, stride, block_size, scale, scores, acc, row_max, row_sum);
-    return;
-  }
-#elif defined(DI_ATTN_AVX2)
+#if defined(DI_ATTN_AVX2)
   if constexpr (GROUP > 0) {
     block_step_avx2<DIM, GROUP, KV>(qh, kb, vb, count, stride, block_size, scale, scores, acc, row_max, row_sum);
     return;
@@ -192,15 +90,20 @@ __attribute__((noinline)) static void block_step(const float* __restrict__ qh, c
 }
 
 
-// Prefetch: the rows of the block DI_ATTN_AHEAD blocks ahead, into L2 (locality 2: prefetcht1). Into L1 (3) the
-// requests of a batch's scattered blocks queued behind the L1's few miss buffers: decode attention over a
-// DRAM-resident cache (SmolLM2 shapes, 64-128 rows, 330-600 tokens) ran 1.3-1.45x faster with L2 on this 2-core
-// EPYC (benchmarks/attention_prefetch.py); two blocks ahead gained nothing more.
+// Prefetch: the rows of the block DI_ATTN_AHEAD blocks ahead, into L2 (locality 2: prefetcht1) or L1 (3). Asked for
+// all at once when a block starts, a block's 64 lines queued behind the L1's few miss buffers, and L2 was better: 1.3-
+// 1.45x over L1 on the slower EPYC (benchmarks/attention_prefetch.py). The AVX-512 loop (attend_avx512) asks for one
+// row of K and of V with each key it scores, spread over the block, and there L1 is better: decode attention over a
+// cache in DRAM (SmolLM2's shapes, 16-128 rows x 192-1,024 tokens, one thread, the 2-core Zen 5 EPYC) 1.26-1.33x
+// faster than the old loop with L2, 1.36-1.52x with L1; two or three blocks ahead were slower than one.
 #ifndef DI_ATTN_AHEAD
 #define DI_ATTN_AHEAD 1
 #endif
 #ifndef DI_ATTN_LOC
-#define DI_ATTN_LOC 2
+#define DI_ATTN_LOC 3
+#endif
+#ifndef DI_ATTN_BLOCK_LOC
+#define DI_ATTN_BLOCK_LOC 2  // the block-at-once requests of the loop below (without AVX-512)
 #endif
 // One (query, KV head) item: G query heads against the keys first..len-1 of one sequence, segment by segment.
 template <int DIM, typename KV>
@@ -212,7 +115,24 @@ static void attend(const float* __restrict__ qh, const KV* __restrict__ kp, cons
   const int64_t stride = kv_heads * DIM;  // floats between consecutive tokens of one head
   for (int64_t g = 0; g < group; ++g) { row_max[g] = -INFINITY; row_sum[g] = 0.f; }
   for (int64_t i = 0; i < group * DIM; ++i) acc[i] = 0.f;
+#if defined(__AVX512F__)
+  auto chunks = [&](auto grp) {  // the group as a constant: its loops unroll and the accumulators stay in registers
+    attend_avx512<DIM, decltype(grp)::value, KV, DI_ATTN_AHEAD, DI_ATTN_LOC>(
+        qh, kp, vp, table, first, len, block_size, kv_heads, h, scale, scores, acc, row_max, row_sum);
+  };
+  bool done = true;
+  switch (group) {
+    case 1: chunks(std::integral_constant<int, 1>{}); break;
+    case 2: chunks(std::integral_constant<int, 2>{}); break;
+    case 3: chunks(std::integral_constant<int, 3>{}); break;
+    case 4: chunks(std::integral_constant<int, 4>{}); break;
+    case 8: chunks(std::integral_constant<int, 8>{}); break;
+    default: done = false;
+  }
+  for (int64_t start = done ? len : first; start < len;) {
+#else
   for (int64_t start = first; start < len;) {
+#endif
     const int64_t block = start / block_size, stop = std::min(len, (block + 1) * block_size);
     const int64_t row0 = (table[block] * block_size + start - block * block_size) * kv_heads + h;
     const KV* kb = kp + row0 * DIM;
@@ -225,10 +145,13 @@ static void attend(const float* __restrict__ qh, const KV* __restrict__ kp, cons
       const int64_t ahead = std::min(block_size, len - later * block_size);
       for (int64_t i = 0; i < ahead; ++i)
         for (int64_t b = 0; b < (int64_t)(DIM * sizeof(KV)); b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(kp + (next + i * kv_heads) * DIM) + b, 0, DI_ATTN_LOC);
-          __builtin_prefetch(reinterpret_cast<const char*>(vp + (next + i * kv_heads) * DIM) + b, 0, DI_ATTN_LOC);
+          __builtin_prefetch(reinterpret_cast<const char*>(kp + (next + i * kv_heads) * DIM) + b, 0, DI_ATTN_BLOCK_LOC);
+          __builtin_prefetch(reinterpret_cast<const char*>(vp + (next + i * kv_heads) * DIM) + b, 0, DI_ATTN_BLOCK_LOC);
         }
     }
+#if defined(__AVX512F__)
+    block_step<DIM, 0, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum);
+#else
     switch (group) {  // the group as a constant: its loops unroll and the accumulators stay in registers
       case 1: block_step<DIM, 1, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
       case 2: block_step<DIM, 2, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
@@ -237,6 +160,7 @@ static void attend(const float* __restrict__ qh, const KV* __restrict__ kp, cons
       case 8: block_step<DIM, 8, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum); break;
       default: block_step<DIM, 0, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum);
     }
+#endif
     start = stop;
   }
   for (int64_t g = 0; g < group; ++g)

@@ -1,0 +1,157 @@
+// The AVX-512 item loop of attention.cpp's paged attention (included by attention.cpp only).
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "vexp.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// softmax_segment with the maximum and the sum taken 16 scores at a time (exp_shifted written out in the sum loop).
+static inline float softmax_segment16(float* __restrict__ sg, int64_t count, float& row_max, float& row_sum) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 k = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
+    m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, sg + i));
+  }
+  const float new_max = std::max(row_max, _mm512_reduce_max_ps(m));
+  const float rescale = std::exp(row_max - new_max);
+  row_max = new_max;
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < count; i += 16) {  // exp_shifted's lanes, summed from the register (a masked store is
+    // not forwarded to a load that follows it: reading the scores back waited for the store to retire)
+    const __mmask16 k = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
+    const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + i), _mm512_set1_ps(new_max)));
+    _mm512_mask_storeu_ps(sg + i, k, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+  }
+  row_sum = row_sum * rescale + _mm512_reduce_add_ps(sum);
+  return rescale;
+}
+
+// One cached row as DIM / 16 registers of float32 (a bfloat16 row widened on the way in).
+template <int DIM>
+static inline void load_row(const float* row, __m512* out) {
+  for (int c = 0; c < DIM / 16; ++c) out[c] = _mm512_loadu_ps(row + 16 * c);
+}
+template <int DIM>
+static inline void load_row(const uint16_t* row, __m512* out) {
+  for (int c = 0; c < DIM / 16; ++c)
+    out[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))), 16));
+}
+
+// The 16 horizontal sums of v[0..16) as one register: lane i = v[i][0] + ... + v[i][15], by a tree of in-lane
+// unpacks and 128-bit lane shuffles (~2 shuffles and 1 add per key instead of 4 and 4 for one reduction per key).
+static inline __m512 hsum16(const __m512* v) {
+  __m512 s[8], t[4], u[2];
+  for (int j = 0; j < 8; ++j)  // per 128-bit lane: [v2j 0+2, v2j+1 0+2, v2j 1+3, v2j+1 1+3]
+    s[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {  // per 128-bit lane: the four vectors 4j..4j+3, each summed over that lane
+    const __m512d a = _mm512_castps_pd(s[2 * j]), b = _mm512_castps_pd(s[2 * j + 1]);
+    t[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int j = 0; j < 2; ++j)  // lanes 0+1 and 2+3 of t[2j], then of t[2j+1]
+    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+}
+
+// scores[g * block_size + i] = scale * (q_g . k_i) for the count keys of one segment and the G query heads sharing
+// them. Keys 16 at a time: each widened once into `wide`, each head's 16 partial products summed by one hsum16 into
+// 16 scores (for one head too: an item per query head gives the bits of an item per KV head). With `nk` / `nv` (the
+// next block's rows of this head, or null) each key's step also asks for one row of each: spread over the segment,
+// the requests do not queue up behind each other as a burst of a whole block's lines at once did.
+template <int DIM, int GROUP, typename KV, int LOC>
+static inline void segment_scores(const float* __restrict__ qh, const KV* __restrict__ kb, int64_t count,
+                                  int64_t stride, float scale, float* __restrict__ scores, int64_t block_size,
+                                  const KV* nk, const KV* nv, int64_t ahead) {
+  constexpr int C = DIM / 16;
+  alignas(64) float wide[16 * DIM];
+  for (int64_t i0 = 0; i0 < count; i0 += 16) {
+    const int n = (int)std::min<int64_t>(16, count - i0);
+    for (int i = 0; i < n; ++i) {
+      if (nk != nullptr && i0 + i < ahead)
+        for (int64_t b = 0; b < (int64_t)(DIM * sizeof(KV)); b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(nk + (i0 + i) * stride) + b, 0, LOC);
+          __builtin_prefetch(reinterpret_cast<const char*>(nv + (i0 + i) * stride) + b, 0, LOC);
+        }
+      __m512 kr[C];
+      load_row<DIM>(kb + (i0 + i) * stride, kr);
+      for (int c = 0; c < C; ++c) _mm512_store_ps(wide + i * DIM + 16 * c, kr[c]);
+    }
+    for (int g = 0; g < GROUP; ++g) {
+      __m512 qv[C], part[16];
+      for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qh + g * DIM + 16 * c);
+      for (int i = 0; i < 16; ++i) {
+        if (i < n) {
+          __m512 p = _mm512_mul_ps(qv[0], _mm512_load_ps(wide + i * DIM));
+          for (int c = 1; c < C; ++c) p = _mm512_fmadd_ps(qv[c], _mm512_load_ps(wide + i * DIM + 16 * c), p);
+          part[i] = p;
+        } else {
+          part[i] = _mm512_setzero_ps();
+        }
+      }
+      const __mmask16 keep = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+      _mm512_mask_storeu_ps(scores + g * block_size + i0, keep, _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale)));
+    }
+  }
+  for (int64_t i = count; i < ahead; ++i)  // a short segment (a window's first): the rest of the next block
+    for (int64_t b = 0; b < (int64_t)(DIM * sizeof(KV)); b += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(nk + i * stride) + b, 0, LOC);
+      __builtin_prefetch(reinterpret_cast<const char*>(nv + i * stride) + b, 0, LOC);
+    }
+}
+
+// The keys first..len-1 of one (query, KV head) item for its G query heads, segment by segment (a segment: the keys
+// of one block): the scores, the online-softmax step (softmax_segment16: the max, the rescale of what came before,
+// exp, sum), then the accumulators rescaled and each value added key by key. The accumulators stay in registers
+// from the first segment to the last. acc / row_max / row_sum: the running state at the start (zero, -inf, 0), and
+// acc at the end; scores: GROUP * block_size floats. The next block's rows of this head are asked for while this
+// one is computed (AHEAD blocks ahead, into the cache level LOC: see attention.cpp).
+template <int DIM, int GROUP, typename KV, int AHEAD, int LOC>
+__attribute__((noinline)) static void attend_avx512(
+    const float* __restrict__ qh, const KV* __restrict__ kp, const KV* __restrict__ vp,
+    const int64_t* __restrict__ table, int64_t first, int64_t len, int64_t block_size, int64_t kv_heads, int64_t h,
+    float scale, float* __restrict__ scores, float* __restrict__ acc, float* __restrict__ row_max,
+    float* __restrict__ row_sum) {
+  constexpr int C = DIM / 16;
+  const int64_t stride = kv_heads * DIM;
+  __m512 av[GROUP][C];
+  for (int g = 0; g < GROUP; ++g)
+    for (int c = 0; c < C; ++c) av[g][c] = _mm512_loadu_ps(acc + g * DIM + 16 * c);
+  for (int64_t start = first; start < len;) {
+    const int64_t block = start / block_size, stop = std::min(len, (block + 1) * block_size), count = stop - start;
+    const int64_t row0 = (table[block] * block_size + start - block * block_size) * kv_heads + h;
+    const int64_t later = block + AHEAD;
+    const KV *nk = nullptr, *nv = nullptr;
+    int64_t ahead = 0;
+    if (later * block_size < len) {  // a later block sits elsewhere in the pool
+      const int64_t next = table[later] * block_size * kv_heads + h;
+      nk = kp + next * DIM;
+      nv = vp + next * DIM;
+      ahead = std::min(block_size, len - later * block_size);
+    }
+    segment_scores<DIM, GROUP, KV, LOC>(qh, kp + row0 * DIM, count, stride, scale, scores, block_size, nk, nv, ahead);
+    float rescale[GROUP];
+    for (int g = 0; g < GROUP; ++g)
+      rescale[g] = softmax_segment16(scores + g * block_size, count, row_max[g], row_sum[g]);
+    for (int g = 0; g < GROUP; ++g)
+      for (int c = 0; c < C; ++c) av[g][c] = _mm512_mul_ps(av[g][c], _mm512_set1_ps(rescale[g]));
+    const KV* vb = vp + row0 * DIM;
+    for (int64_t i = 0; i < count; ++i) {
+      __m512 vr[C];
+      load_row<DIM>(vb + i * stride, vr);
+      for (int g = 0; g < GROUP; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * block_size + i]);
+        for (int c = 0; c < C; ++c) av[g][c] = _mm512_fmadd_ps(p, vr[c], av[g][c]);
+      }
+    }
+    start = stop;
+  }
+  for (int g = 0; g < GROUP; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * DIM + 16 * c, av[g][c]);
+}
+#endif
