@@ -106,19 +106,21 @@ __attribute__((noinline)) static void block_step(const float* __restrict__ qh, c
 #define DI_ATTN_BLOCK_LOC 2  // the block-at-once requests of the loop below (without AVX-512)
 #endif
 // One (query, KV head) item: G query heads against the keys first..len-1 of one sequence, segment by segment.
+// fk / fv / frows: the first block rows of the item this thread runs next (or null), asked for during the last block
+// (AVX-512 loop only).
 template <int DIM, typename KV>
 static void attend(const float* __restrict__ qh, const KV* __restrict__ kp, const KV* __restrict__ vp,
                    const int64_t* __restrict__ table, int64_t first, int64_t len, int64_t block_size,
                    int64_t kv_heads, int64_t h, int64_t group, float scale, float* __restrict__ out,
                    float* __restrict__ scores, float* __restrict__ acc, float* __restrict__ row_max,
-                   float* __restrict__ row_sum) {
+                   float* __restrict__ row_sum, const KV* fk, const KV* fv, int64_t frows) {
   const int64_t stride = kv_heads * DIM;  // floats between consecutive tokens of one head
   for (int64_t g = 0; g < group; ++g) { row_max[g] = -INFINITY; row_sum[g] = 0.f; }
   for (int64_t i = 0; i < group * DIM; ++i) acc[i] = 0.f;
 #if defined(__AVX512F__)
   auto chunks = [&](auto grp) {  // the group as a constant: its loops unroll and the accumulators stay in registers
     attend_avx512<DIM, decltype(grp)::value, KV, DI_ATTN_AHEAD, DI_ATTN_LOC>(
-        qh, kp, vp, table, first, len, block_size, kv_heads, h, scale, scores, acc, row_max, row_sum);
+        qh, kp, vp, table, first, len, block_size, kv_heads, h, scale, scores, acc, row_max, row_sum, fk, fv, frows);
   };
   bool done = true;
   switch (group) {
@@ -186,24 +188,44 @@ static void items_of(const DecodeAttention& a, int64_t begin, int64_t end, float
   float* acc = scores + a.per * a.block_size;
   float* row_max = acc + a.per * dim;
   float* row_sum = row_max + a.per;
-  for (int64_t slot = begin; slot < end; ++slot) {
-    const int64_t item = item_at(slot, a.items);
-    const int64_t stop = (item + 1) * total / a.items;
-    for (int64_t head = item * total / a.items; head < stop;) {
-      const int64_t n = head / heads, h = (head % heads) / group, len = a.lens[n];  // row, KV head
-      const int64_t count = std::min(stop, n * heads + (h + 1) * group) - head;
-      const int64_t first = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
-      const float* qh = a.q + head * dim;
-      float* o = a.out + head * dim;
-      auto run = [&](auto fn) {
-        fn(qh, kp, vp, a.tables + n * a.width, first, len, a.block_size, a.kv_heads, h, count, a.scale, o, scores,
-           acc, row_max, row_sum);
-      };
-      if (dim == 64) run(attend<64, KV>);
-      else if (dim == 128) run(attend<128, KV>);
-      else run(attend<256, KV>);
-      head += count;
+  struct Piece {  // the heads head..head+count-1 of row n, sharing KV head h, over keys first..len-1
+    int64_t slot, head, n, h, count, first, len;
+  };
+  auto piece = [&](int64_t slot, int64_t head) {
+    const int64_t item = item_at(slot, a.items), stop = (item + 1) * total / a.items;
+    if (head < 0) head = item * total / a.items;
+    const int64_t n = head / heads, h = (head % heads) / group, len = a.lens[n];
+    return Piece{slot, head, n, h, std::min(stop, n * heads + (h + 1) * group) - head,
+                 a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0, len};
+  };
+  auto next = [&](const Piece& p) {  // the piece this thread runs after p; slot == end: none
+    const int64_t item = item_at(p.slot, a.items);
+    if (p.head + p.count < (item + 1) * total / a.items) return piece(p.slot, p.head + p.count);
+    return p.slot + 1 < end ? piece(p.slot + 1, -1) : Piece{end, 0, 0, 0, 0, 0, 0};
+  };
+  if (begin >= end) return;
+  for (Piece p = piece(begin, -1); p.slot < end;) {
+    const Piece f = next(p);
+    // the first block rows of the piece that follows, for the last block of this one to ask for
+    const KV *fk = nullptr, *fv = nullptr;
+    int64_t frows = 0;
+    if (f.slot < end && f.first < f.len) {
+      const int64_t b = f.first / a.block_size, off = f.first - b * a.block_size;
+      const int64_t row0 = (a.tables[f.n * a.width + b] * a.block_size + off) * a.kv_heads + f.h;
+      fk = kp + row0 * dim;
+      fv = vp + row0 * dim;
+      frows = std::min(a.block_size - off, f.len - f.first);
     }
+    const float* qh = a.q + p.head * dim;
+    float* o = a.out + p.head * dim;
+    auto run = [&](auto fn) {
+      fn(qh, kp, vp, a.tables + p.n * a.width, p.first, p.len, a.block_size, a.kv_heads, p.h, p.count, a.scale, o,
+         scores, acc, row_max, row_sum, fk, fv, frows);
+    };
+    if (dim == 64) run(attend<64, KV>);
+    else if (dim == 128) run(attend<128, KV>);
+    else run(attend<256, KV>);
+    p = f;
   }
 }
 

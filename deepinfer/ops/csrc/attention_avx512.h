@@ -110,13 +110,14 @@ static inline void segment_scores(const float* __restrict__ qh, const KV* __rest
 // exp, sum), then the accumulators rescaled and each value added key by key. The accumulators stay in registers
 // from the first segment to the last. acc / row_max / row_sum: the running state at the start (zero, -inf, 0), and
 // acc at the end; scores: GROUP * block_size floats. The next block's rows of this head are asked for while this
-// one is computed (AHEAD blocks ahead, into the cache level LOC: see attention.cpp).
+// one is computed (AHEAD blocks ahead, into the cache level LOC: see attention.cpp); during the last block, the
+// first rows of the item that comes next on this thread (fk / fv / frows), which otherwise started cold.
 template <int DIM, int GROUP, typename KV, int AHEAD, int LOC>
 __attribute__((noinline)) static void attend_avx512(
     const float* __restrict__ qh, const KV* __restrict__ kp, const KV* __restrict__ vp,
     const int64_t* __restrict__ table, int64_t first, int64_t len, int64_t block_size, int64_t kv_heads, int64_t h,
     float scale, float* __restrict__ scores, float* __restrict__ acc, float* __restrict__ row_max,
-    float* __restrict__ row_sum) {
+    float* __restrict__ row_sum, const KV* fk, const KV* fv, int64_t frows) {
   constexpr int C = DIM / 16;
   const int64_t stride = kv_heads * DIM;
   __m512 av[GROUP][C];
@@ -126,8 +127,8 @@ __attribute__((noinline)) static void attend_avx512(
     const int64_t block = start / block_size, stop = std::min(len, (block + 1) * block_size), count = stop - start;
     const int64_t row0 = (table[block] * block_size + start - block * block_size) * kv_heads + h;
     const int64_t later = block + AHEAD;
-    const KV *nk = nullptr, *nv = nullptr;
-    int64_t ahead = 0;
+    const KV *nk = fk, *nv = fv;  // past the last block: the next item's first (or nothing)
+    int64_t ahead = later * block_size < len + block_size ? frows : 0;
     if (later * block_size < len) {  // a later block sits elsewhere in the pool
       const int64_t next = table[later] * block_size * kv_heads + h;
       nk = kp + next * DIM;
