@@ -212,9 +212,11 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
                   kvs, kvs);
         std::memcpy(qcp + t * qs, r, qs * sizeof(float));
       }
-      const int64_t items = decode_items(plans[l]);
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < items; ++i) decode_item_range(plans[l], i, i + 1, my_scratch);
+      {  // this thread's contiguous range of items in one call: each item's last block asks for the next one's first
+        const auto [i0, i1] = share(decode_items(plans[l]));
+        decode_item_range(plans[l], i0, i1, my_scratch);
+      }
+#pragma omp barrier
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t) quantize(attp + t * qs, t, qs);
       blocks(w + 1, op, ld_o);
