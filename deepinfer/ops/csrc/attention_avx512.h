@@ -10,7 +10,8 @@
 #include <immintrin.h>
 
 // softmax_segment with the maximum and the sum taken 16 scores at a time (exp_shifted written out in the sum loop).
-static inline float softmax_segment16(float* __restrict__ sg, int64_t count, float& row_max, float& row_sum) {
+__attribute__((always_inline)) static inline float softmax_segment16(float* __restrict__ sg, int64_t count,
+                                                                     float& row_max, float& row_sum) {
   __m512 m = _mm512_set1_ps(-INFINITY);
   for (int64_t i = 0; i < count; i += 16) {
     const __mmask16 k = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
