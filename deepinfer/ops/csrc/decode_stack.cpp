@@ -1,6 +1,7 @@
 // DecodeStack (ops.h): a decode step's decoder layers in one call from Python and one parallel region.
 #include <omp.h>
 
+#include <cstdint>
 #include <cstring>
 
 #include "ops.h"
@@ -147,7 +148,11 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
                                      block_size, scale_, windows_[l], att.data_ptr<float>(), threads));
     scratch = std::max(scratch, decode_scratch(plans.back()));
   }
-  std::vector<float> scratch_all(scratch * threads);
+  // whole cache lines per thread: a line shared by two threads' scratch (one's running max and sum, the other's
+  // scores) went back and forth between the cores on every block
+  scratch = (scratch + 15) / 16 * 16;
+  std::vector<float> scratch_all(scratch * threads + 16);
+  float* scratch_base = scratch_all.data() + (16 - (reinterpret_cast<uintptr_t>(scratch_all.data()) / 4) % 16) % 16;
   float *rp = res.data_ptr<float>(), *hp = h.data_ptr<float>(), *tp = tmp.data_ptr<float>();
   float *qkvp = qkv.data_ptr<float>(), *qcp = qc.data_ptr<float>(), *attp = att.data_ptr<float>();
   float *op = o.data_ptr<float>(), *gup = gu.data_ptr<float>(), *ap = a.data_ptr<float>(), *dnp = dn.data_ptr<float>();
@@ -184,7 +189,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
 
 #pragma omp parallel num_threads(threads)
   {
-    float* my_scratch = scratch_all.data() + scratch * omp_get_thread_num();
+    float* my_scratch = scratch_base + scratch * omp_get_thread_num();
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       rms_norm_row(xp + t * H, nullptr, norm(0, kIn), H, eps(0, kIn), hp + t * H);
