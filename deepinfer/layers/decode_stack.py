@@ -1,9 +1,11 @@
-"""The decode fast path of a Llama-family or Gemma 3 model on quantized weights: every decoder layer of a decode-only step
-(decode rows: one token per sequence, or a token and its drafts, each a row of its own) in one call to the
-compiled ops (csrc/decode_stack.cpp). It runs the row and block code the module path runs, in the same order, so a
-row gets the same bits either way; what it removes is Python between the ops and a thread fork per op (about two
-thirds of a batch-1 decode step's time outside the matrix products). Steps with prefill chunks, and the
-batch-invariant mode, take the module path.
+"""The fast path of a Llama-family or Gemma 3 model on quantized weights: every decoder layer of a step in one call to
+the compiled ops (csrc/decode_stack.cpp). Rows are decode rows (one token per sequence, or a token and its drafts,
+each a row of its own) and prompt rows: a prefill chunk's token t is a row of its own, attending to the keys up to
+its position through its sequence's block table, which is what the module path's paged prefill kernel computes for it
+(each query as a decode row). It runs the row and block code the module path runs, in the same order, so a row gets
+the same bits either way; what it removes is Python between the ops and a thread fork per op (about two thirds of a
+batch-1 decode step's time outside the matrix products). Steps with a prefill chunk whose context passes
+PAGED_PREFILL_MAX (there the module path uses torch's attention), and the batch-invariant mode, take the module path.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import torch
 from torch import nn
 
 from deepinfer.layers.activation import ACTS
-from deepinfer.layers.context import get_forward_context
+from deepinfer.layers.attention import PAGED_PREFILL_MAX
+from deepinfer.layers.context import AttentionMetadata, get_forward_context
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -26,6 +29,28 @@ def _linear_args(linear: nn.Module) -> tuple:
 
 
 NORMS = ("norm_in", "post_attn", "pre_ffn", "post_ffn", "q_norm", "k_norm")  # DecodeStack::Norm's order (ops.h)
+
+
+def row_tables(md: AttentionMetadata, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per row of the step: its block table (padded) and context length (position + 1), decode rows first, then each
+    prefill chunk's tokens; None where the rows are not exactly those, or a chunk's context passes PAGED_PREFILL_MAX."""
+    nd = md.num_decodes
+    if not md.prefills:
+        return (md.decode_block_tables, md.decode_context_lens) if nd == rows else None
+    if any(p.context_len > PAGED_PREFILL_MAX for p in md.prefills) or \
+            nd + sum(p.num_tokens for p in md.prefills) != rows or \
+            any(p.start != nd + sum(q.num_tokens for q in md.prefills[:i]) for i, p in enumerate(md.prefills)):
+        return None
+    width = max([md.decode_block_tables.shape[1] if nd else 0] + [p.block_table.numel() for p in md.prefills])
+    tables = torch.zeros(rows, width, dtype=torch.int64)
+    lens = torch.empty(rows, dtype=torch.int64)
+    if nd:
+        tables[:nd, :md.decode_block_tables.shape[1]] = md.decode_block_tables
+        lens[:nd] = md.decode_context_lens
+    for p in md.prefills:
+        tables[p.start:p.start + p.num_tokens, :p.block_table.numel()] = p.block_table
+        torch.arange(p.context_len - p.num_tokens + 1, p.context_len + 1, out=lens[p.start:p.start + p.num_tokens])
+    return tables, lens
 
 
 class DecodeStack:
@@ -78,7 +103,7 @@ class DecodeStack:
         return self._stack
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """The final-normed hidden states of a decode-only step, or None where the module path must run."""
+        """The final-normed hidden states of the step's rows, or None where the module path must run."""
         ctx = get_forward_context()
         if ctx.batch_invariant or ctx.cpu_kernels is None or x.dim() != 2 or x.dtype != torch.float32:
             return None
@@ -87,7 +112,8 @@ class DecodeStack:
             return None
         stack = self._compiled(ctx.kv_caches, ctx.layer_attn)
         mds = [ctx.attn_for(i) for i in self._group_heads]
-        if any(md.prefills or md.num_decodes != x.shape[0] for md in mds):
+        rows = [row_tables(md, x.shape[0]) for md in mds]
+        if any(r is None for r in rows):
             return None
-        return stack.forward(x, positions, [md.slot_mapping for md in mds], [md.decode_block_tables for md in mds],
-                             [md.decode_context_lens for md in mds], mds[0].block_size)
+        return stack.forward(x, positions, [md.slot_mapping for md in mds], [t for t, _ in rows],
+                             [n for _, n in rows], mds[0].block_size)

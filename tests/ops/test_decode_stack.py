@@ -1,7 +1,7 @@
 """The decode stack (layers/decode_stack.py, ops/csrc/decode_stack.cpp) against the module path it replaces on
-decode steps: the same tokens and the same logprobs, bit for bit, on tiny random Llama-family and Gemma 3 models
-quantized at load and on the bundled SmolLM2; and it is really taken on decode steps and refused where it cannot be
-exact."""
+decode, prefill and mixed steps: the same tokens and the same logprobs, bit for bit, on tiny random Llama-family and
+Gemma 3 models quantized at load and on the bundled SmolLM2; and it is really taken on those steps and refused where
+it cannot be exact."""
 import pytest
 import torch
 import transformers
@@ -42,8 +42,9 @@ def run(llm: LLM, prompts, use_stack: bool, stack: DecodeStack) -> tuple[list, l
     return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
 
 
-def count_calls(stack: DecodeStack) -> list[int]:
-    """Wraps the stack so each call that computed (did not hand back to the module path) is counted."""
+def count_calls(stack: DecodeStack, calls: list[int] | None = None) -> list[int]:
+    """Wraps the stack so each call that computed (did not hand back to the module path) is counted, and each call
+    in `calls` when given."""
     taken = [0]
     original = stack.__call__
 
@@ -51,6 +52,8 @@ def count_calls(stack: DecodeStack) -> list[int]:
         def __call__(self, x, positions):
             out = original(x, positions)
             taken[0] += out is not None
+            if calls is not None:
+                calls[0] += 1
             return out
 
     stack.__class__ = Counting
@@ -94,6 +97,26 @@ def test_bundled_model_same_bits_with_and_without_the_stack():
     prompts = [tok(p).input_ids for p in ("The capital of France is", "def fibonacci(n):",
                                           "Once upon a time, in a small village by the sea, there lived")]
     assert run(llm, prompts, True, stack) == run(llm, prompts, False, stack)
+
+
+def test_prefill_and_mixed_steps_same_bits_and_long_contexts_refused():
+    """A small token budget chunks the prompts, so steps hold decode rows and prompt chunks together: every step goes
+    through the stack, with the module path's bits. A chunk whose context passes PAGED_PREFILL_MAX (768; the module
+    path uses torch's attention there) is handed back, and still nothing differs."""
+    llm = LLM(kv_cache_memory=96 << 20, enable_prefix_caching=False, max_num_batched_tokens=40)
+    stack = stack_of(llm).decode_stack
+    calls = [0]
+    taken = count_calls(stack, calls)
+    prompts = [list(range(300, 307)), list(range(1000, 1090)), [42], list(range(2000, 2033))]
+    off = run(llm, prompts, False, stack)
+    calls[0] = taken[0] = 0
+    assert run(llm, prompts, True, stack) == off
+    assert taken[0] == calls[0] > PARAMS.max_tokens  # prefill and mixed steps included
+    long_prompts = [list(range(100, 900)), [7, 8, 9]]
+    off = run(llm, long_prompts, False, stack)
+    calls[0] = taken[0] = 0
+    assert run(llm, long_prompts, True, stack) == off
+    assert 0 < taken[0] < calls[0]
 
 
 def test_bad_rows_are_refused_not_computed():
