@@ -115,54 +115,7 @@ inline void prefetch_ahead(const uint8_t* rec, const ST* s, const ST* o) {
 #endif
 
 #if defined(DI_AVX512)
-template <typename ST> inline __m512 load16(const ST* p);
-template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <> inline __m512 load16<uint16_t>(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// MT activation rows x 16 output rows: out[m * ldo + 0..15].
-template <int MT, int BITS, int G, typename ST, bool AFF>
-void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
-          const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
-  constexpr int QB = 16 * G * BITS / 8;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < ng; ++g) {
-    const uint8_t* rec = q + g * QB;
-    const int64_t k0 = g * G;
-    prefetch_ahead<QB>(rec, s + g * 16, AFF ? o + g * 16 : nullptr);
-    __m512i isum[MT];
-    for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
-    if (BITS == 4) {
-      for (int p = 0; p < G / 8; ++p) {
-        const __m512i w = _mm512_loadu_si512(rec + 64 * p);
-        const __m512i wl = _mm512_and_si512(w, low);
-        const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
-        for (int m = 0; m < MT; ++m) {
-          const int8_t* x = xq + m * K + k0 + 8 * p;
-          isum[m] = _mm512_dpbusd_epi32(isum[m], wl, _mm512_set1_epi32(load_i32(x)));
-          isum[m] = _mm512_dpbusd_epi32(isum[m], wh, _mm512_set1_epi32(load_i32(x + 4)));
-        }
-      }
-    } else {
-      for (int p = 0; p < G / 4; ++p) {
-        const __m512i w = _mm512_loadu_si512(rec + 64 * p);
-        for (int m = 0; m < MT; ++m)
-          isum[m] = _mm512_dpbusd_epi32(isum[m], w, _mm512_set1_epi32(load_i32(xq + m * K + k0 + 4 * p)));
-      }
-    }
-    const __m512 sv = load16(s + g * 16);
-    const __m512 ov = AFF ? load16(o + g * 16) : _mm512_mul_ps(sv, _mm512_set1_ps(c));
-    for (int m = 0; m < MT; ++m) {
-      const __m512 d = _mm512_set1_ps(xd[m * (K / 32) + k0 / 32]);
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(sv, d), acc[m]);
-      acc[m] = _mm512_fmadd_ps(ov, _mm512_set1_ps(*group_term<G>(xt, m, K, g)), acc[m]);
-    }
-  }
-  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
-}
+#include "quant_tile_avx512.h"
 
 #elif defined(DI_AVX2)
 #include "quant_tile_avx2.h"
