@@ -1,0 +1,85 @@
+"""End to end with two builds of the compiled ops taking turns: the engine on another commit's kernel sources against
+the engine on the current ones, the same requests, in one process. Kernel changes that keep the bits show here as
+speed only: the two engines' greedy tokens must be equal (checked).
+
+    git archive b3feb5d deepinfer/ops/csrc | tar -x -C /tmp/old
+    python benchmarks/kernels_e2e.py --old /tmp/old/deepinfer/ops/csrc                  # batch 64 / 16 / 1, prompts
+    python benchmarks/kernels_e2e.py --old /tmp/old/deepinfer/ops/csrc --shapes 64x512x1
+
+A shape is requests x prompt tokens x output tokens (random ordinary token ids, greedy, EOS ignored); rounds
+alternate which engine runs first; medians of --rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_info, ordinary_token_ids, random_requests, write_json  # noqa: E402
+
+
+def engine_on(ops, threads: int, max_seqs: int):
+    """An LLM whose executor loads `ops` (None: the current sources) as its compiled CPU ops."""
+    from deepinfer import LLM
+    from deepinfer.ops import cpu_ops
+
+    current = cpu_ops.load
+    if ops is not None:
+        cpu_ops.load = lambda isa="native": ops
+    try:
+        return LLM(num_threads=threads, max_num_seqs=max_seqs, enable_prefix_caching=False)
+    finally:
+        cpu_ops.load = current
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old", required=True, help="a copy of deepinfer/ops/csrc from the commit to compare with")
+    parser.add_argument("--shapes", default="64x128x128,16x128x128,1x128x128,64x128x1,1x512x1")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--out", default="benchmarks/results/kernels_e2e.json")
+    args = parser.parse_args()
+    import torch
+
+    from deepinfer import SamplingParams
+    from deepinfer.ops import cpu_ops
+
+    torch.set_num_threads(args.threads)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    old_ops = cpu_ops.build("deepinfer_kernels_e2e_old", list(cpu_ops.ISA_FLAGS["native"]), args.old)
+    max_seqs = max(16, max(b for b, _, _ in shapes))
+    engines = {"old": engine_on(old_ops, args.threads, max_seqs), "new": engine_on(None, args.threads, max_seqs)}
+    ids = ordinary_token_ids(engines["new"].get_tokenizer())
+    points = []
+    for batch, prompt, out in shapes:
+        reqs = random_requests(batch, (prompt, prompt), (1, 1), ids, batch)
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=out)
+        times: dict[str, list[float]] = {"old": [], "new": []}
+        tokens = {}
+        for r in range(args.rounds):
+            for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
+                start = time.perf_counter()
+                outs = engines[name].generate(prompts, params, use_tqdm=False)
+                times[name].append(time.perf_counter() - start)
+                tokens[name] = [o.outputs[0].token_ids for o in outs]
+        if tokens["old"] != tokens["new"]:
+            sys.exit(f"{batch}x{prompt}x{out}: the two builds' tokens differ")
+        old, new = (statistics.median(times[n]) for n in ("old", "new"))
+        rate = batch * out if out > 1 else batch * prompt  # output tokens/s, or prompt tokens/s for prefill shapes
+        points.append({"batch": batch, "prompt": prompt, "output": out, "old_s": old, "new_s": new,
+                       "old_tok_s": rate / old, "new_tok_s": rate / new, "speedup": old / new})
+        kind = "output" if out > 1 else "prompt"
+        print(f"{batch:3d} x {prompt:4d} in x {out:4d} out: {kind} tok/s old {rate / old:8.1f} new {rate / new:8.1f} "
+              f"({old / new:.3f}x), tokens equal", flush=True)
+    write_json({"benchmark": "kernels_e2e", "machine": machine_info(args.threads), "old": args.old,
+                "points": points}, args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
