@@ -37,9 +37,12 @@ def row_tables(md: AttentionMetadata, rows: int) -> tuple[torch.Tensor, torch.Te
     nd = md.num_decodes
     if not md.prefills:
         return (md.decode_block_tables, md.decode_context_lens) if nd == rows else None
-    if any(p.context_len > PAGED_PREFILL_MAX for p in md.prefills) or \
-            nd + sum(p.num_tokens for p in md.prefills) != rows or \
-            any(p.start != nd + sum(q.num_tokens for q in md.prefills[:i]) for i, p in enumerate(md.prefills)):
+    end = nd  # each chunk's rows must follow the ones before
+    for p in md.prefills:
+        if p.context_len > PAGED_PREFILL_MAX or p.start != end:
+            return None
+        end += p.num_tokens
+    if end != rows:
         return None
     width = max([md.decode_block_tables.shape[1] if nd else 0] + [p.block_table.numel() for p in md.prefills])
     tables = torch.zeros(rows, width, dtype=torch.int64)

@@ -46,8 +46,9 @@ static inline float softmax_segment(float* __restrict__ sg, int64_t count, float
 
 
 // One segment (count <= block_size consecutive keys of one block) for the G query heads of one (query, KV head):
-// the online-softmax update (with AVX-512, groups of 1, 2, 3, 4 and 8 go through attend_avx512). noinline: decode and prefill run this very machine code in the same order of segments,
-// so a token's result does not depend on which path computed it (batch-invariant mode relies on it).
+// the online-softmax update (with AVX-512, groups of 1, 2, 3, 4 and 8 go through attend_avx512 instead). noinline:
+// decode and prefill run this very machine code in the same order of segments, so a token's result does not depend
+// on which path computed it (batch-invariant mode relies on it).
 template <int DIM, int GROUP, typename KV>  // GROUP 0: the group size is only known at run time (`group`)
 __attribute__((noinline)) static void block_step(const float* __restrict__ qh, const KV* __restrict__ kb,
                                                  const KV* __restrict__ vb, int64_t count, int64_t stride,
@@ -117,24 +118,23 @@ static void attend(const float* __restrict__ qh, const KV* __restrict__ kp, cons
   const int64_t stride = kv_heads * DIM;  // floats between consecutive tokens of one head
   for (int64_t g = 0; g < group; ++g) { row_max[g] = -INFINITY; row_sum[g] = 0.f; }
   for (int64_t i = 0; i < group * DIM; ++i) acc[i] = 0.f;
+  bool done = false;  // the item computed by the AVX-512 loop
 #if defined(__AVX512F__)
-  auto chunks = [&](auto grp) {  // the group as a constant: its loops unroll and the accumulators stay in registers
+  auto avx512 = [&](auto grp) {  // the group as a constant: its loops unroll and the accumulators stay in registers
     attend_avx512<DIM, decltype(grp)::value, KV, DI_ATTN_AHEAD, DI_ATTN_LOC>(
         qh, kp, vp, table, first, len, block_size, kv_heads, h, scale, scores, acc, row_max, row_sum, fk, fv, frows);
+    done = true;
   };
-  bool done = true;
   switch (group) {
-    case 1: chunks(std::integral_constant<int, 1>{}); break;
-    case 2: chunks(std::integral_constant<int, 2>{}); break;
-    case 3: chunks(std::integral_constant<int, 3>{}); break;
-    case 4: chunks(std::integral_constant<int, 4>{}); break;
-    case 8: chunks(std::integral_constant<int, 8>{}); break;
-    default: done = false;
+    case 1: avx512(std::integral_constant<int, 1>{}); break;
+    case 2: avx512(std::integral_constant<int, 2>{}); break;
+    case 3: avx512(std::integral_constant<int, 3>{}); break;
+    case 4: avx512(std::integral_constant<int, 4>{}); break;
+    case 8: avx512(std::integral_constant<int, 8>{}); break;
+    default: break;
   }
-  for (int64_t start = done ? len : first; start < len;) {
-#else
-  for (int64_t start = first; start < len;) {
 #endif
+  for (int64_t start = done ? len : first; start < len;) {
     const int64_t block = start / block_size, stop = std::min(len, (block + 1) * block_size);
     const int64_t row0 = (table[block] * block_size + start - block * block_size) * kv_heads + h;
     const KV* kb = kp + row0 * DIM;
@@ -146,10 +146,7 @@ static void attend(const float* __restrict__ qh, const KV* __restrict__ kp, cons
       const int64_t next = table[later] * block_size * kv_heads + h;
       const int64_t ahead = std::min(block_size, len - later * block_size);
       for (int64_t i = 0; i < ahead; ++i)
-        for (int64_t b = 0; b < (int64_t)(DIM * sizeof(KV)); b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(kp + (next + i * kv_heads) * DIM) + b, 0, DI_ATTN_BLOCK_LOC);
-          __builtin_prefetch(reinterpret_cast<const char*>(vp + (next + i * kv_heads) * DIM) + b, 0, DI_ATTN_BLOCK_LOC);
-        }
+        prefetch_kv_row<DIM, DI_ATTN_BLOCK_LOC>(kp + (next + i * kv_heads) * DIM, vp + (next + i * kv_heads) * DIM);
     }
 #if defined(__AVX512F__)
     block_step<DIM, 0, KV>(qh, kb, vb, n, stride, group, block_size, scale, scores, acc, row_max, row_sum);

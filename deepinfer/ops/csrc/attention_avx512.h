@@ -6,6 +6,15 @@
 
 #include "vexp.h"
 
+// Asks for one cached row of K and of V (DIM values each) into cache level LOC; changes no value.
+template <int DIM, int LOC, typename KV>
+static inline void prefetch_kv_row(const KV* k, const KV* v) {
+  for (int64_t b = 0; b < (int64_t)(DIM * sizeof(KV)); b += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(k) + b, 0, LOC);
+    __builtin_prefetch(reinterpret_cast<const char*>(v) + b, 0, LOC);
+  }
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -74,11 +83,7 @@ static inline void segment_scores(const float* __restrict__ qh, const KV* __rest
   for (int64_t i0 = 0; i0 < count; i0 += 16) {
     const int n = (int)std::min<int64_t>(16, count - i0);
     for (int i = 0; i < n; ++i) {
-      if (nk != nullptr && i0 + i < ahead)
-        for (int64_t b = 0; b < (int64_t)(DIM * sizeof(KV)); b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(nk + (i0 + i) * stride) + b, 0, LOC);
-          __builtin_prefetch(reinterpret_cast<const char*>(nv + (i0 + i) * stride) + b, 0, LOC);
-        }
+      if (nk != nullptr && i0 + i < ahead) prefetch_kv_row<DIM, LOC>(nk + (i0 + i) * stride, nv + (i0 + i) * stride);
       __m512 kr[C];
       load_row<DIM>(kb + (i0 + i) * stride, kr);
       for (int c = 0; c < C; ++c) _mm512_store_ps(wide + i * DIM + 16 * c, kr[c]);
@@ -100,10 +105,7 @@ static inline void segment_scores(const float* __restrict__ qh, const KV* __rest
     }
   }
   for (int64_t i = count; i < ahead; ++i)  // a short segment (a window's first): the rest of the next block
-    for (int64_t b = 0; b < (int64_t)(DIM * sizeof(KV)); b += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(nk + i * stride) + b, 0, LOC);
-      __builtin_prefetch(reinterpret_cast<const char*>(nv + i * stride) + b, 0, LOC);
-    }
+    prefetch_kv_row<DIM, LOC>(nk + i * stride, nv + i * stride);
 }
 
 // The keys first..len-1 of one (query, KV head) item for its G query heads, segment by segment (a segment: the keys
