@@ -2,8 +2,10 @@
 repetitive workload (rewrite a given text, code with repeated identifiers) and open-ended chat, at several batch
 sizes; llama.cpp's own n-gram speculation (llama-server --spec-type ngram-simple) where --llama-bin is given.
 
-Greedy, EOS ignored, the same token ids for every mode: speculation is lossless, so every mode generates the same
-tokens and only the time differs. Reports output tokens/s, speedup over off, acceptance per draft position.
+Greedy, the same token ids for every mode: speculation is lossless, so every mode generates the same tokens and only
+the time differs. EOS is ignored (every request --max-tokens long) unless --stop-at-eos: then each request ends
+where the model ends its turn, as a user's does (a rewrite past its end is text the model makes up, not a copy).
+Reports output tokens/s, speedup over off, acceptance per draft position.
 Batch B > 1 is B concurrent sequences in steady state: --waves x B requests through B slots (max_num_seqs = B), a
 finished sequence's slot refilled at once, as a server under load runs; --waves 1 is one closed batch, whose wall
 time is its slowest sequence's (speculation that speeds only the others then shows as cost alone). The modes run
@@ -58,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--draft", default=None, help="MTP head directory (default: the train-mtp cache dir)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--llama-bin", default=None, help="llama.cpp binaries: adds llama-server off / ngram-simple")
+    parser.add_argument("--stop-at-eos", action="store_true",
+                        help="requests end at the model's end of turn, as a user's do (default: exactly "
+                             "--max-tokens each, past it)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -73,10 +78,11 @@ def workloads(tokenizer) -> dict[str, list[list[int]]]:
     return {"repetitive": [chat(t) for t in REPETITIVE], "chat": [chat(t) for t in CHAT]}
 
 
-def run_deepinfer(llm, prompts: list[list[int]], batch: int, max_tokens: int, waves: int = 1) -> dict[str, Any]:
+def run_deepinfer(llm, prompts: list[list[int]], batch: int, max_tokens: int, waves: int = 1,
+                  stop_at_eos: bool = False) -> dict[str, Any]:
     from deepinfer import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=not stop_at_eos)
     stats0 = llm.engine.stats().spec_decode
     count = max(batch * waves, len(prompts)) if batch > 1 else len(prompts)
     requests = [prompts[i % len(prompts)] for i in range(count)]
@@ -104,7 +110,7 @@ def run_deepinfer(llm, prompts: list[list[int]], batch: int, max_tokens: int, wa
 
 
 def run_llama_server(bin_dir: str, model: str, prompts: list[list[int]], max_tokens: int, threads: int,
-                     spec: str) -> dict[str, Any]:
+                     spec: str, stop_at_eos: bool = False) -> dict[str, Any]:
     """One request after another (batch 1) through llama-server; generation speed from its own timings."""
     import socket
 
@@ -123,7 +129,7 @@ def run_llama_server(bin_dir: str, model: str, prompts: list[list[int]], max_tok
                 time.sleep(0.5)
         tokens, seconds = 0, 0.0
         for p in prompts:
-            body = json.dumps({"prompt": p, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True,
+            body = json.dumps({"prompt": p, "n_predict": max_tokens, "temperature": 0, "ignore_eos": not stop_at_eos,
                                "cache_prompt": False}).encode()
             req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
             out = json.loads(urllib.request.urlopen(req, timeout=600).read())
@@ -164,7 +170,8 @@ def main(argv=None) -> None:
             runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
             for _ in range(args.rounds):
                 for mode, llm in engines.items():
-                    runs[mode].append(run_deepinfer(llm, prompts, batch, args.max_tokens, args.waves))
+                    runs[mode].append(run_deepinfer(llm, prompts, batch, args.max_tokens, args.waves,
+                                                    args.stop_at_eos))
             for mode in modes:
                 row = dict(sorted(runs[mode], key=lambda r: r["tok_s"])[len(runs[mode]) // 2])  # the median round
                 row["tok_s_rounds"] = [r["tok_s"] for r in runs[mode]]
@@ -181,7 +188,8 @@ def main(argv=None) -> None:
         loads = workloads(LLM(args.model, kv_cache_memory=16 << 20).get_tokenizer())
         for spec in ("none", "ngram-simple"):
             for name, prompts in loads.items():
-                row = run_llama_server(args.llama_bin, model_path, prompts, args.max_tokens, args.threads, spec)
+                row = run_llama_server(args.llama_bin, model_path, prompts, args.max_tokens, args.threads, spec,
+                                       args.stop_at_eos)
                 row.update(engine="llama.cpp", mode=spec, workload=name, batch=1)
                 results.append(row)
                 print(json.dumps(row), flush=True)

@@ -73,6 +73,8 @@ def test_the_chi_square_check_can_fail():
 def test_ngram_finds_the_latest_earlier_match_longest_first():
     tokens = np.array([1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 1, 2, 3])
     assert propose_ngram(tokens, 3, 1, 3) == [4, 5, 6]  # "1 2 3" last seen before the end at index 5
-    assert propose_ngram(tokens, 10, 1, 3) == [4, 5, 6, 1, 2, 3]
+    assert propose_ngram(tokens, 8, 1, 3) == [4, 5, 6, 1, 2, 3, 4, 5]  # past the end: the stretch repeats
     assert propose_ngram(np.array([7, 8, 9]), 3, 1, 3) == []
     assert propose_ngram(np.array([5, 6, 5]), 2, 1, 3) == [6, 5]  # only a 1-gram matches
+    assert propose_ngram(np.array([4, 7, 7, 7]), 5, 1, 3) == [7] * 5  # a run drafts k of its token, not one
+    assert propose_ngram(np.array([8, 1, 2, 1, 2]), 5, 2, 3) == [1, 2, 1, 2, 1]  # "1 2" 2 back: period 2
