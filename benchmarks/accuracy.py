@@ -29,6 +29,7 @@ MODES = {
     "float32": {"dtype": "float32"},
     "gguf": {"quantization": "gguf"},  # with its default bfloat16 KV cache
     "gguf-kv-float32": {"quantization": "gguf", "kv_cache_dtype": "float32"},
+    "gguf-kv-fp8": {"quantization": "gguf", "kv_cache_dtype": "fp8"},
     # 64-token prompt chunks: every later chunk of the perplexity text reads its context from the KV cache
     "gguf-chunked": {"quantization": "gguf", "max_num_batched_tokens": 64},
     "gguf-kv-float32-chunked": {"quantization": "gguf", "kv_cache_dtype": "float32", "max_num_batched_tokens": 64},

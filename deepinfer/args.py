@@ -19,9 +19,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=_bytes, default=None, help="KV cache budget, e.g. 2GiB or 512MiB; default: a fifth of free RAM up to 4 GiB")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "fp8", "fp8_e4m3"],
                    help="auto: bfloat16 under quantized compute (half the bytes attention reads), else the compute "
-                        "dtype")
+                        "dtype; fp8 (= fp8_e4m3): float8 e4m3, a quarter of float32's bytes, outputs change (CPU)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=128)

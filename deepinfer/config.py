@@ -10,6 +10,7 @@ from deepinfer.kvstore.base import KINDS, KVStoreConfig
 from deepinfer.sampling_params import TTL_CLASSES
 
 DTYPES = ("float32", "bfloat16", "float16")
+FP8_NAMES = ("fp8", "fp8_e4m3")  # kv_cache_dtype names of float8 e4m3 (vLLM's)
 QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -66,6 +67,11 @@ def resolve_compute(mc: ModelConfig, file_format: str, cuda_available: bool = Fa
     compute = _resolve_weights(mc, file_format, cuda_available)
     if kv_cache_dtype == "auto":
         kv = "bfloat16" if compute.quantization is not None else None
+    elif kv_cache_dtype in FP8_NAMES:
+        if compute.device != "cpu":
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is built and checked on the CPU only; on "
+                             f"{compute.device} use 'auto', 'float32' or 'bfloat16'")
+        kv = "fp8_e4m3"
     else:
         kv = None if kv_cache_dtype == compute.dtype else kv_cache_dtype
     return dataclasses.replace(compute, kv_dtype=kv)
@@ -97,12 +103,14 @@ class CacheConfig:
     # (a hit may replay a bounded tail); "full" caches all of it. swa_keep_tokens None: derived from the window.
     swa_prefix_mode: str = "compact"
     swa_keep_tokens: int | None = None
-    # "auto": bfloat16 under quantized compute, else the compute dtype (config.resolve_compute); or float32 / bfloat16
+    # "auto": bfloat16 under quantized compute, else the compute dtype (config.resolve_compute); or float32 /
+    # bfloat16 / fp8 (float8 e4m3, as vLLM's --kv-cache-dtype fp8 without scales: values past 448 saturate)
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", *FP8_NAMES):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'float32', 'bfloat16' or 'fp8' (= 'fp8_e4m3'), got "
+                             f"{self.kv_cache_dtype!r}")
         if self.swa_prefix_mode not in ("compact", "full"):
             raise ValueError(f"swa_prefix_mode (DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE) must be 'compact' or 'full', "
                              f"got {self.swa_prefix_mode!r}")

@@ -51,6 +51,9 @@ class Engine:
         native_len = int(files.hf_config.get("max_position_embeddings") or 2048)
         max_len = mc.max_model_len or native_len
         self.compute = resolve_compute(mc, files.fmt, torch.cuda.is_available(), cc.kv_cache_dtype)
+        if self.compute.cache_dtype == "fp8_e4m3" and files.hf_config.get("kv_lora_rank"):
+            raise ValueError("kv_cache_dtype='fp8' needs per-head K and V caches; this model's latent attention (MLA) "
+                             "computes in its cache's dtype: use 'auto' or 'bfloat16'")
         blockers = overlap_blockers(config, self.compute.device)  # overlap scheduling: the model lives on the pipeline's compute thread
         self._pipeline = None if blockers else StepPipeline(torch.get_num_threads())
         on_compute_thread = self._pipeline.call if self._pipeline is not None else (lambda fn, *args: fn(*args))

@@ -14,7 +14,17 @@ from deepinfer.layers.context import get_forward_context
 # decode row, straight from the cache) rather than SDPA: SmolLM2 / Gemma 3 shapes, 2 cores, one causal sequence:
 # 1.6x / 1.4x faster at 128 tokens, 1.2x at 512, 0.88x at 1024 (SDPA's tiles share keys across queries).
 PAGED_PREFILL_MAX = 768
+NARROW_CACHES = (torch.bfloat16, torch.float8_e4m3fn)  # caches float32 K/V are rounded into by the kernels
 
+
+
+def cache_copy(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """rows, rounded to the cache's dtype as torch rounds them, into cache[slots] (a float8 cache through its bytes:
+    torch has no index_copy_ for float8 on the CPU)."""
+    rows = rows.to(cache.dtype)
+    if cache.element_size() == 1:
+        cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+    cache.index_copy_(0, slots, rows)
 
 class Attention(nn.Module):
     """softmax(q k^T * scale [+ mask]) v over a sequence's cached and new tokens.
@@ -49,11 +59,11 @@ class Attention(nn.Module):
         slots = ctx.attn_for(self.cache_index).slot_mapping
         k_cache, v_cache = ctx.kv_caches[self.cache_index]
         if self.ops is not None and v_cache.dtype == k_cache.dtype and k.dtype == v.dtype \
-                and (k.dtype == k_cache.dtype or (k.dtype == torch.float32 and k_cache.dtype == torch.bfloat16)):
+                and (k.dtype == k_cache.dtype or (k.dtype == torch.float32 and k_cache.dtype in NARROW_CACHES)):
             self.ops.cache_write(k, v, k_cache, v_cache, slots)
         else:
-            k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-            v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+            cache_copy(k_cache, slots, k)
+            cache_copy(v_cache, slots, v)
         return k_cache, v_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -62,7 +72,7 @@ class Attention(nn.Module):
         md = ctx.attn_for(self.cache_index)
         k_cache, v_cache = self.write(k, v)
         kernels = ctx.cpu_kernels if self.head_dim == self.v_head_dim in (64, 128, 256) \
-            and q.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.bfloat16) else None
+            and q.dtype == torch.float32 and k_cache.dtype in (torch.float32, *NARROW_CACHES) else None
         if ctx.batch_invariant:
             return self._batch_invariant(q, k_cache, v_cache, md, kernels).reshape(q.shape[0], -1)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
@@ -78,7 +88,11 @@ class Attention(nn.Module):
                                           md.block_size)
         for seq in md.prefills:
             rows = slice(seq.start, seq.start + seq.num_tokens)
-            if kernels is not None and seq.context_len <= PAGED_PREFILL_MAX:  # each query as a decode row would be
+            # the compiled kernel (each query as a decode row would be) for short contexts, and for any cached context
+            # in a float8 cache (torch widens float8 at ~2.5 ns a value: a 1,024-token context cost more to widen
+            # than to attend over)
+            fp8_cached = k_cache.dtype == torch.float8_e4m3fn and seq.context_len != seq.num_tokens
+            if kernels is not None and (seq.context_len <= PAGED_PREFILL_MAX or fp8_cached):
                 out[rows] = kernels.paged_prefill(q[rows].contiguous(), k_cache, v_cache, seq.block_table,
                                                   seq.context_len - seq.num_tokens, md.block_size, self.scale,
                                                   self.sliding_window or -1)

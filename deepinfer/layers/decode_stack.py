@@ -19,7 +19,7 @@ from deepinfer.layers.activation import ACTS
 from deepinfer.layers.attention import PAGED_PREFILL_MAX
 from deepinfer.layers.context import AttentionMetadata, get_forward_context
 
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 
 
 def _linear_args(linear: nn.Module) -> tuple:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.layers.attention import context_slots
+from deepinfer.layers.attention import cache_copy, context_slots
 from deepinfer.layers.context import get_forward_context
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.norm import RMSNorm
@@ -91,7 +91,7 @@ class MLAttention(nn.Module):
     def _write(self, entry: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         cache = ctx.kv_caches[self.cache_index][0]
-        cache.index_copy_(0, ctx.attn.slot_mapping, entry.unsqueeze(1).to(cache.dtype))
+        cache_copy(cache, ctx.attn.slot_mapping, entry.unsqueeze(1))
         return cache
 
     def write_kv(self, positions: torch.Tensor, x: torch.Tensor) -> None:

@@ -132,5 +132,7 @@ class KVBlockTransfer:
         offset = 0
         for view, size in zip(self._views, self._row_bytes):
             part = data[:, offset : offset + size].contiguous().view(self.dtype).view(len(block_ids), *view.shape[1:])
+            if view.element_size() == 1:  # float8: through its bytes (no float8 index_copy_ on the CPU)
+                view, part = view.view(torch.uint8), part.view(torch.uint8)
             view.index_copy_(0, index, part)
             offset += size

@@ -14,7 +14,8 @@ from deepinfer.transforms.quantize import finalize_quantized, prepare_quantized
 
 logger = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "fp8_e4m3": torch.float8_e4m3fn}  # fp8_e4m3: KV caches only
 
 
 def hf_config_object(hf_config: dict):

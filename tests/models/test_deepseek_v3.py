@@ -120,6 +120,11 @@ def test_kv_cache_stores_only_latent_and_rope_key(pair):
         assert tuple(k_cache.shape[1:]) == (1, KV_ENTRY) and v_cache.numel() == 0
 
 
+def test_float8_kv_cache_is_refused_for_latent_attention(pair):
+    with pytest.raises(ValueError, match="latent attention"):  # MLA computes in its cache's dtype
+        LLM(pair[1], kv_cache_memory=1 << 20, num_threads=1, kv_cache_dtype="fp8")
+
+
 def test_expert_counts_sum_to_tokens_times_top_k(pair):
     _, path = pair
     llm = LLM(path, kv_cache_memory=4 << 20, enable_prefix_caching=False, num_threads=1)

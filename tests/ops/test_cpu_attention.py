@@ -57,12 +57,37 @@ def test_bfloat16_cache_matches_float32_attention_over_the_same_values(kernels, 
     assert torch.equal(chunk, torch.cat(one_by_one))
 
 
+def test_float8_cache_is_read_as_the_values_it_holds(kernels):
+    """A float8 e4m3fn cache holding every one of its 254 finite values (subnormals, +-0, +-448 included) gives what
+    a float32 cache holding the same values gives, in decode and in prefill rows (the widening is exact)."""
+    gen = torch.Generator().manual_seed(8)
+    heads, kv_heads, dim, num_blocks = 9, 3, 64, 80
+    finite = torch.arange(256, dtype=torch.uint8)
+    finite = finite[~finite.view(torch.float8_e4m3fn).float().isnan()]
+    k = (torch.randn(num_blocks * BS, kv_heads, dim, generator=gen) * 4).to(torch.float8_e4m3fn)
+    v = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen).to(torch.float8_e4m3fn)
+    k.view(torch.uint8).view(-1)[: finite.numel()] = finite
+    v.view(torch.uint8).view(-1)[: finite.numel()] = finite.flip(0)
+    lens = torch.tensor([1, 16, 17, 99, 200], dtype=torch.int64)
+    width = int((lens.max() + BS - 1) // BS)
+    tables = torch.cat([torch.arange(width).view(1, width),  # the blocks holding every value come first
+                        torch.randperm(num_blocks, generator=gen)[: 4 * width].view(4, width)]).contiguous()
+    q = torch.randn(len(lens), heads, dim, generator=gen)
+    got = kernels.paged_decode(q, k, v, tables, lens, BS, dim**-0.5, -1)
+    torch.testing.assert_close(got, kernels.paged_decode(q, k.float(), v.float(), tables, lens, BS, dim**-0.5, -1),
+                               atol=1e-6, rtol=1e-6)
+    chunk = kernels.paged_prefill(q, k, v, tables[-1], int(lens[-1]) - len(lens), BS, dim**-0.5, -1)
+    one_by_one = [kernels.paged_decode(q[i : i + 1], k, v, tables[-1:], lens[-1:] - len(lens) + 1 + i, BS,
+                                       dim**-0.5, -1) for i in range(len(lens))]
+    assert torch.equal(chunk, torch.cat(one_by_one))
+
+
 def test_kernel_refuses_what_it_does_not_handle(kernel):
     q = torch.randn(1, 2, 64, dtype=torch.bfloat16)
     k = torch.randn(16, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="float32 queries"):  # bfloat16 queries
         kernel(q, k, k, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), BS, 0.1, -1)
-    with pytest.raises(RuntimeError, match="float32 or bfloat16 cache"):
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float8_e4m3fn cache"):
         kernel(q.float(), k.half(), k.half(), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64),
                BS, 0.1, -1)
     q, k = q.float(), torch.randn(16, 2, 48)
@@ -132,7 +157,7 @@ def test_lower_builds_match_the_torch_path_and_give_a_row_its_bits_in_any_batch(
     q = torch.randn(len(lens), heads, dim, generator=gen)
     scale, w = dim**-0.5, window or -1
     layer = Attention(heads, kv_heads, dim, scale, 0, sliding_window=window)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
         k = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen).to(dtype)
         v = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen).to(dtype)
         batch = ops.paged_decode(q, k, v, tables, lens, BS, scale, w)

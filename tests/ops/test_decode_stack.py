@@ -22,6 +22,8 @@ VARIANTS = {
     "qwen2-bias-bf16-kv": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False),
                            dict(kv_cache_dtype="bfloat16")),
     "qwen3-qknorm": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=64), {}),
+    "llama-fp8-kv": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=True),
+                     dict(kv_cache_dtype="fp8")),
     # both layer kinds (sliding layers attend through their own group's tables), offset norms, GELU, QK norms
     "gemma3-window": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
                       dict(head_dim=64, num_hidden_layers=3, sliding_window=24, query_pre_attn_scalar=64,

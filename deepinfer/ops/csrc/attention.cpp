@@ -5,7 +5,7 @@
 // one rescale per segment), and writes acc / sum; sliding windows start at max(0, len - W). `paged_prefill` runs the
 // same per-query computation for each token of a prefill chunk (one compiled copy of the segment step, no FMA
 // contraction), so a token gets the same bits from either path: the batch-invariant mode's attention. Queries in
-// float32; the cache in float32 or bfloat16 (each value widened to float32 as it is read).
+// float32; the cache in float32, bfloat16 or float8 e4m3fn (each value widened to float32 as it is read).
 #include "aten.h"
 #include <algorithm>
 #include <cmath>
@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "kernels.h"
+#include "kv_fp8.h"
 #include "vexp.h"
 #include "attention_avx2.h"  // defines DI_ATTN_AVX2 and block_step_avx2 when it applies
 #include "attention_avx512.h"  // attend_avx512 when the CPU has AVX-512
@@ -26,6 +27,12 @@ static inline const float* as_float(const uint16_t* row, float* __restrict__ buf
   uint32_t* __restrict__ bits = reinterpret_cast<uint32_t*>(buffer);
 #pragma omp simd
   for (int d = 0; d < DIM; ++d) bits[d] = static_cast<uint32_t>(row[d]) << 16;
+  return buffer;
+}
+template <int DIM>
+static inline const float* as_float(const uint8_t* row, float* __restrict__ buffer) {
+#pragma omp simd
+  for (int d = 0; d < DIM; ++d) buffer[d] = fp8_value(row[d]);
   return buffer;
 }
 
@@ -253,7 +260,7 @@ DecodeAttention decode_attention(const float* q, const torch::Tensor& k_cache, c
     per = 1;  // one query head per item
     items = total;
   }
-  return DecodeAttention{q, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.scalar_type() == torch::kBFloat16,
+  return DecodeAttention{q, k_cache.data_ptr(), v_cache.data_ptr(), kv_kind(k_cache),
                          rows, heads, kv_heads, dim, tables, width, lens, block_size, static_cast<float>(scale),
                          window, out, per, items};
 }
@@ -263,7 +270,8 @@ int64_t decode_items(const DecodeAttention& a) { return a.items; }
 int64_t decode_scratch(const DecodeAttention& a) { return a.per * (a.block_size + a.dim + 2); }
 
 void decode_item_range(const DecodeAttention& a, int64_t begin, int64_t end, float* scratch) {
-  if (a.bf16) items_of<uint16_t>(a, begin, end, scratch);
+  if (a.kind == kKVBf16) items_of<uint16_t>(a, begin, end, scratch);
+  else if (a.kind == kKVFp8) items_of<uint8_t>(a, begin, end, scratch);
   else items_of<float>(a, begin, end, scratch);
 }
 
@@ -282,8 +290,8 @@ static void run_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
 static void check(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
   const auto kv = k_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == torch::kFloat && v_cache.scalar_type() == kv &&
-              (kv == torch::kFloat || kv == torch::kBFloat16),
-              "paged attention kernel: float32 queries, a float32 or bfloat16 cache");
+              (kv == torch::kFloat || kv == torch::kBFloat16 || kv == torch::kFloat8_e4m3fn),
+              "paged attention kernel: float32 queries, a float32, bfloat16 or float8_e4m3fn cache");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged attention kernel: contiguous tensors only");
   const int64_t dim = q.size(2);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kv_fp8.h"
 #include "vexp.h"
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -41,6 +42,7 @@ static inline __m256 load8_kv(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(
       _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
+static inline __m256 load8_kv(const uint8_t* p) { return fp8_widen8(p); }
 
 // The 4 horizontal sums of v[0..4) (8 lanes each) as one 128-bit register, one fixed tree per register.
 static inline __m128 hsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kv_fp8.h"
 #include "vexp.h"
 
 // Asks for one cached row of K and of V (DIM values each) into cache level LOC; changes no value.
@@ -41,7 +42,7 @@ __attribute__((always_inline)) static inline float softmax_segment16(float* __re
   return rescale;
 }
 
-// One cached row as DIM / 16 registers of float32 (a bfloat16 row widened on the way in).
+// One cached row as DIM / 16 registers of float32 (a bfloat16 or float8 row widened on the way in).
 template <int DIM>
 static inline void load_row(const float* row, __m512* out) {
   for (int c = 0; c < DIM / 16; ++c) out[c] = _mm512_loadu_ps(row + 16 * c);
@@ -51,6 +52,10 @@ static inline void load_row(const uint16_t* row, __m512* out) {
   for (int c = 0; c < DIM / 16; ++c)
     out[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))), 16));
+}
+template <int DIM>
+static inline void load_row(const uint8_t* row, __m512* out) {
+  for (int c = 0; c < DIM / 16; ++c) out[c] = fp8_widen16(row + 16 * c);
 }
 
 // The 16 horizontal sums of v[0..16) as one register: lane i = v[i][0] + ... + v[i][15], by a tree of in-lane

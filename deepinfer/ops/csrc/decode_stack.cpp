@@ -63,9 +63,10 @@ DecodeStack::DecodeStack(std::vector<Linear> linears, std::vector<torch::Tensor>
     const auto& kc = k_caches_[l];
     const auto& vc = v_caches_[l];
     TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == vc.scalar_type() &&
-                (kc.scalar_type() == torch::kFloat || kc.scalar_type() == torch::kBFloat16) && kc.dim() == 3 &&
+                (kc.scalar_type() == torch::kFloat || kc.scalar_type() == torch::kBFloat16 ||
+                 kc.scalar_type() == torch::kFloat8_e4m3fn) && kc.dim() == 3 &&
                 kc.size(1) == kv_heads_ && kc.size(2) == head_dim_ && vc.sizes() == kc.sizes(),
-                "DecodeStack: KV caches must be float32 or bfloat16 [slots, kv_heads, head_dim]");
+                "DecodeStack: KV caches must be float32, bfloat16 or float8_e4m3fn [slots, kv_heads, head_dim]");
   }
   for (size_t i = 0; i < linears_.size(); ++i) {
     const auto& w = linears_[i];
@@ -213,7 +214,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
           for (int64_t i = 0; i < kv_heads_; ++i) rms_norm_row(r + qs + i * D, nullptr, kn, D, eps(l, kK), r + qs + i * D);
         rotary_row(r, heads_, D, cp + pos[t] * half, sp + pos[t] * half, half);
         rotary_row(r + qs, kv_heads_, D, cp + pos[t] * half, sp + pos[t] * half, half);
-        cache_row(r + qs, r + qs + kvs, k_caches_[l].data_ptr(), v_caches_[l].data_ptr(), plans[l].bf16, sl[t],
+        cache_row(r + qs, r + qs + kvs, k_caches_[l].data_ptr(), v_caches_[l].data_ptr(), plans[l].kind, sl[t],
                   kvs, kvs);
         std::memcpy(qcp + t * qs, r, qs * sizeof(float));
       }

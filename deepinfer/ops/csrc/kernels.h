@@ -31,8 +31,11 @@ void rms_norm_row(const float* x, float* res, const float* wo, int64_t H, float 
 void act_row(const float* g, const float* u, float* o, int64_t I, int64_t act);
 // rotate-half RoPE of `heads` heads of D values (the first 2 * half of each) at one position's cos / sin
 void rotary_row(float* x, int64_t heads, int64_t D, const float* c, const float* s, int64_t half);
-// float32 k [kw] and v [vw] into cache slot `slot` (a float32 cache, or bfloat16 when bf16)
-void cache_row(const float* k, const float* v, void* k_cache, void* v_cache, bool bf16, int64_t slot, int64_t kw,
+// What a KV cache stores: float32, bfloat16 bits, or float8 e4m3fn bits (vLLM's `--kv-cache-dtype fp8`).
+enum KVKind : int { kKVFloat = 0, kKVBf16 = 1, kKVFp8 = 2 };
+KVKind kv_kind(const torch::Tensor& cache);  // throws for any other dtype
+// float32 k [kw] and v [vw] into cache slot `slot`, rounded as torch's .to(cache dtype) rounds them
+void cache_row(const float* k, const float* v, void* k_cache, void* v_cache, KVKind kind, int64_t slot, int64_t kw,
                int64_t vw);
 
 // attention.cpp: paged decode attention split into items. Item i is the query heads [i * Q / items, (i + 1) * Q /
@@ -41,9 +44,9 @@ void cache_row(const float* k, const float* v, void* k_cache, void* v_cache, boo
 // needs it, the heads split evenly); scratch is per thread: decode_scratch floats.
 struct DecodeAttention {
   const float* q;  // [rows, heads, dim]
-  const void* k_cache;  // float or uint16_t (bfloat16 bits) [slots, kv_heads, dim]
+  const void* k_cache;  // float, uint16_t (bfloat16 bits) or uint8_t (e4m3fn bits) [slots, kv_heads, dim]
   const void* v_cache;
-  bool bf16;
+  KVKind kind;
   int64_t rows, heads, kv_heads, dim;
   const int64_t* tables;  // [rows, width]
   int64_t width;

@@ -88,15 +88,49 @@ static inline uint16_t bf16_bits(float f) {
   return f != f ? (uint16_t)0xFFFF : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-void cache_row(const float* k, const float* v, void* k_cache, void* v_cache, bool bf16, int64_t slot, int64_t kw,
+// float32 -> float8 e4m3fn bits as torch's .to(torch.float8_e4m3fn) gives them (c10's conversion, step for step:
+// rounded to nearest even, a magnitude past 448 saturated to 448, NaN to 0x7F), written with selects instead of
+// branches so the compiler vectorises the loops.
+static inline uint8_t fp8_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t sign = u & 0x80000000u, a = u ^ sign;
+  float af, small;
+  std::memcpy(&af, &a, 4);
+  const uint32_t denorm = 141u << 23;  // below 2^-6: add 2^14, so the float unit rounds to the subnormal step
+  float magic;
+  std::memcpy(&magic, &denorm, 4);
+  small = af + magic;
+  uint32_t sb;
+  std::memcpy(&sb, &small, 4);
+  const uint32_t r_small = sb - denorm;
+  uint32_t r_norm = (a + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
+  r_norm = r_norm == 0x7Fu ? 0x7Eu : r_norm;
+  const uint32_t r = a >= (1087u << 20) ? (a > 0x7F800000u ? 0x7Fu : 0x7Eu) : a < (121u << 23) ? r_small : r_norm;
+  return (uint8_t)(r | (sign >> 24));
+}
+
+KVKind kv_kind(const torch::Tensor& cache) {
+  const auto t = cache.scalar_type();
+  TORCH_CHECK(t == torch::kFloat || t == torch::kBFloat16 || t == torch::kFloat8_e4m3fn,
+              "KV cache: float32, bfloat16 or float8_e4m3fn, got ", t);
+  return t == torch::kFloat ? kKVFloat : t == torch::kBFloat16 ? kKVBf16 : kKVFp8;
+}
+
+// k and v rounded by `bits` into slot `slot` of caches of T
+template <typename T, typename Round>
+static inline void narrow_row(const float* k, const float* v, void* k_cache, void* v_cache, int64_t slot, int64_t kw,
+                              int64_t vw, Round bits) {
+  T* kc = static_cast<T*>(k_cache) + slot * kw;
+  T* vc = static_cast<T*>(v_cache) + slot * vw;
+  for (int64_t i = 0; i < kw; ++i) kc[i] = bits(k[i]);
+  for (int64_t i = 0; i < vw; ++i) vc[i] = bits(v[i]);
+}
+
+void cache_row(const float* k, const float* v, void* k_cache, void* v_cache, KVKind kind, int64_t slot, int64_t kw,
                int64_t vw) {
-  if (bf16) {
-    auto* kc = static_cast<uint16_t*>(k_cache) + slot * kw;
-    auto* vc = static_cast<uint16_t*>(v_cache) + slot * vw;
-    for (int64_t i = 0; i < kw; ++i) kc[i] = bf16_bits(k[i]);
-    for (int64_t i = 0; i < vw; ++i) vc[i] = bf16_bits(v[i]);
-    return;
-  }
+  if (kind == kKVBf16) return narrow_row<uint16_t>(k, v, k_cache, v_cache, slot, kw, vw, bf16_bits);
+  if (kind == kKVFp8) return narrow_row<uint8_t>(k, v, k_cache, v_cache, slot, kw, vw, fp8_bits);
   std::memcpy(static_cast<float*>(k_cache) + slot * kw, k, kw * sizeof(float));
   std::memcpy(static_cast<float*>(v_cache) + slot * vw, v, vw * sizeof(float));
 }
@@ -169,9 +203,11 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::T
 
 // k [T, Hk, D] and v [T, Hk, Dv] (views, heads contiguous) -> rows `slots` of the caches [S, Hk, D] / [S, Hk, Dv].
 void cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
-  // float32 rows into a bfloat16 cache are rounded as torch's .to(torch.bfloat16) rounds them (nearest even)
-  const bool narrow = k.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kBFloat16 &&
-                      v.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kBFloat16;
+  // float32 rows into a bfloat16 or float8 cache are rounded as torch's .to(cache dtype) rounds them
+  const auto kc_type = k_cache.scalar_type();
+  const bool narrow = k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat &&
+                      v_cache.scalar_type() == kc_type &&
+                      (kc_type == torch::kBFloat16 || kc_type == torch::kFloat8_e4m3fn);
   TORCH_CHECK(narrow || (k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type()),
               "cache_write: dtype mismatch");
   slots = slots.contiguous().to(torch::kLong);
@@ -188,8 +224,9 @@ void cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch:
     void* kc = k_cache.data_ptr();
     void* vc = v_cache.data_ptr();
     const int64_t sk = k.stride(0), sv = v.stride(0);
+    const KVKind kind = kv_kind(k_cache);
     at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) cache_row(kb + t * sk, vb + t * sv, kc, vc, true, sl[t], kw, vw);
+      for (int64_t t = begin; t < end; ++t) cache_row(kb + t * sk, vb + t * sv, kc, vc, kind, sl[t], kw, vw);
     });
     return;
   }
