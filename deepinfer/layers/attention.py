@@ -12,7 +12,10 @@ from deepinfer.layers.context import get_forward_context
 
 # Prefill chunks whose context is at most this many tokens go through the compiled paged kernel (each query run as a
 # decode row, straight from the cache) rather than SDPA: SmolLM2 / Gemma 3 shapes, 2 cores, one causal sequence:
-# 1.6x / 1.4x faster at 128 tokens, 1.2x at 512, 0.88x at 1024 (SDPA's tiles share keys across queries).
+# 1.6x / 1.4x faster at 128 tokens, 1.2x at 512, 0.88x at 1024 (SDPA's tiles share keys across queries). A chunk
+# with cached context (a prefix-cache hit, a long prompt's later chunks) takes the kernel at any length: torch must
+# gather and widen the whole context first, and the kernel measured 1.1-1.7x faster for 256-2,048 rows over
+# 1,024-8,192 tokens of bfloat16 context and 3-40x for 1-16 rows (SmolLM2 shapes, 2 cores, stop 33).
 PAGED_PREFILL_MAX = 768
 NARROW_CACHES = (torch.bfloat16, torch.float8_e4m3fn)  # caches float32 K/V are rounded into by the kernels
 
@@ -88,11 +91,9 @@ class Attention(nn.Module):
                                           md.block_size)
         for seq in md.prefills:
             rows = slice(seq.start, seq.start + seq.num_tokens)
-            # the compiled kernel (each query as a decode row would be) for short contexts, and for any cached context
-            # in a float8 cache (torch widens float8 at ~2.5 ns a value: a 1,024-token context cost more to widen
-            # than to attend over)
-            fp8_cached = k_cache.dtype == torch.float8_e4m3fn and seq.context_len != seq.num_tokens
-            if kernels is not None and (seq.context_len <= PAGED_PREFILL_MAX or fp8_cached):
+            # the compiled kernel (each query as a decode row would be) for short contexts and for any context read
+            # from the cache (the torch path would gather and widen all of it first)
+            if kernels is not None and (seq.context_len <= PAGED_PREFILL_MAX or seq.context_len != seq.num_tokens):
                 out[rows] = kernels.paged_prefill(q[rows].contiguous(), k_cache, v_cache, seq.block_table,
                                                   seq.context_len - seq.num_tokens, md.block_size, self.scale,
                                                   self.sliding_window or -1)

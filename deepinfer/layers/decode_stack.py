@@ -4,8 +4,9 @@ each a row of its own) and prompt rows: a prefill chunk's token t is a row of it
 its position through its sequence's block table, which is what the module path's paged prefill kernel computes for it
 (each query as a decode row). It runs the row and block code the module path runs, in the same order, so a row gets
 the same bits either way; what it removes is Python between the ops and a thread fork per op (about two thirds of a
-batch-1 decode step's time outside the matrix products). Steps with a prefill chunk whose context passes
-PAGED_PREFILL_MAX (there the module path uses torch's attention), and the batch-invariant mode, take the module path.
+batch-1 decode step's time outside the matrix products). Steps with a prefill chunk that has nothing cached and
+passes PAGED_PREFILL_MAX tokens (there the module path uses torch's attention on the fresh K/V), and the
+batch-invariant mode, take the module path.
 """
 from __future__ import annotations
 
@@ -33,13 +34,14 @@ NORMS = ("norm_in", "post_attn", "pre_ffn", "post_ffn", "q_norm", "k_norm")  # D
 
 def row_tables(md: AttentionMetadata, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Per row of the step: its block table (padded) and context length (position + 1), decode rows first, then each
-    prefill chunk's tokens; None where the rows are not exactly those, or a chunk's context passes PAGED_PREFILL_MAX."""
+    prefill chunk's tokens; None where the rows are not exactly those, or a chunk with nothing cached passes
+    PAGED_PREFILL_MAX."""
     nd = md.num_decodes
     if not md.prefills:
         return (md.decode_block_tables, md.decode_context_lens) if nd == rows else None
     end = nd  # each chunk's rows must follow the ones before
-    for p in md.prefills:
-        if p.context_len > PAGED_PREFILL_MAX or p.start != end:
+    for p in md.prefills:  # a long chunk with nothing cached goes to SDPA on the module path (layers/attention.py)
+        if (p.context_len > PAGED_PREFILL_MAX and p.context_len == p.num_tokens) or p.start != end:
             return None
         end += p.num_tokens
     if end != rows:

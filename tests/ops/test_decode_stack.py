@@ -103,8 +103,9 @@ def test_bundled_model_same_bits_with_and_without_the_stack():
 
 def test_prefill_and_mixed_steps_same_bits_and_long_contexts_refused():
     """A small token budget chunks the prompts, so steps hold decode rows and prompt chunks together: every step goes
-    through the stack, with the module path's bits. A chunk whose context passes PAGED_PREFILL_MAX (768; the module
-    path uses torch's attention there) is handed back, and still nothing differs."""
+    through the stack, with the module path's bits, chunks whose cached context passes PAGED_PREFILL_MAX (768)
+    included. A whole prompt past it with nothing cached (the module path runs torch's attention on its fresh K/V)
+    is handed back, and still nothing differs."""
     llm = LLM(kv_cache_memory=96 << 20, enable_prefix_caching=False, max_num_batched_tokens=40)
     stack = stack_of(llm).decode_stack
     calls = [0]
@@ -118,6 +119,14 @@ def test_prefill_and_mixed_steps_same_bits_and_long_contexts_refused():
     off = run(llm, long_prompts, False, stack)
     calls[0] = taken[0] = 0
     assert run(llm, long_prompts, True, stack) == off
+    assert taken[0] == calls[0]
+    whole = LLM(kv_cache_memory=96 << 20, enable_prefix_caching=False)  # the 800-token prompt in one chunk
+    stack = stack_of(whole).decode_stack
+    calls = [0]
+    taken = count_calls(stack, calls)
+    off = run(whole, long_prompts, False, stack)
+    calls[0] = taken[0] = 0
+    assert run(whole, long_prompts, True, stack) == off
     assert 0 < taken[0] < calls[0]
 
 
