@@ -18,7 +18,13 @@ from deepinfer.layers.context import get_forward_context
 # 1,024-8,192 tokens of bfloat16 context and 3-40x for 1-16 rows (SmolLM2 shapes, 2 cores, stop 33).
 PAGED_PREFILL_MAX = 768
 NARROW_CACHES = (torch.bfloat16, torch.float8_e4m3fn)  # caches float32 K/V are rounded into by the kernels
+KERNEL_CACHES = (torch.float32, *NARROW_CACHES)  # caches the compiled attention reads
 
+
+def paged_prefill_takes(context_len: int, num_tokens: int) -> bool:
+    """Whether a prefill chunk goes through the compiled paged kernel: a short context, or any context read from the
+    cache (torch would gather and widen all of it first); a long chunk with nothing cached goes to SDPA."""
+    return context_len <= PAGED_PREFILL_MAX or context_len != num_tokens
 
 
 def cache_copy(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -28,6 +34,7 @@ def cache_copy(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> 
     if cache.element_size() == 1:
         cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
     cache.index_copy_(0, slots, rows)
+
 
 class Attention(nn.Module):
     """softmax(q k^T * scale [+ mask]) v over a sequence's cached and new tokens.
@@ -75,7 +82,7 @@ class Attention(nn.Module):
         md = ctx.attn_for(self.cache_index)
         k_cache, v_cache = self.write(k, v)
         kernels = ctx.cpu_kernels if self.head_dim == self.v_head_dim in (64, 128, 256) \
-            and q.dtype == torch.float32 and k_cache.dtype in (torch.float32, *NARROW_CACHES) else None
+            and q.dtype == torch.float32 and k_cache.dtype in KERNEL_CACHES else None
         if ctx.batch_invariant:
             return self._batch_invariant(q, k_cache, v_cache, md, kernels).reshape(q.shape[0], -1)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
@@ -91,9 +98,7 @@ class Attention(nn.Module):
                                           md.block_size)
         for seq in md.prefills:
             rows = slice(seq.start, seq.start + seq.num_tokens)
-            # the compiled kernel (each query as a decode row would be) for short contexts and for any context read
-            # from the cache (the torch path would gather and widen all of it first)
-            if kernels is not None and (seq.context_len <= PAGED_PREFILL_MAX or seq.context_len != seq.num_tokens):
+            if kernels is not None and paged_prefill_takes(seq.context_len, seq.num_tokens):
                 out[rows] = kernels.paged_prefill(q[rows].contiguous(), k_cache, v_cache, seq.block_table,
                                                   seq.context_len - seq.num_tokens, md.block_size, self.scale,
                                                   self.sliding_window or -1)

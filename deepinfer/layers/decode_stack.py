@@ -17,10 +17,9 @@ import torch
 from torch import nn
 
 from deepinfer.layers.activation import ACTS
-from deepinfer.layers.attention import PAGED_PREFILL_MAX
+from deepinfer.layers.attention import KERNEL_CACHES, paged_prefill_takes
 from deepinfer.layers.context import AttentionMetadata, get_forward_context
 
-CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 
 
 def _linear_args(linear: nn.Module) -> tuple:
@@ -34,14 +33,14 @@ NORMS = ("norm_in", "post_attn", "pre_ffn", "post_ffn", "q_norm", "k_norm")  # D
 
 def row_tables(md: AttentionMetadata, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Per row of the step: its block table (padded) and context length (position + 1), decode rows first, then each
-    prefill chunk's tokens; None where the rows are not exactly those, or a chunk with nothing cached passes
-    PAGED_PREFILL_MAX."""
+    prefill chunk's tokens; None where the rows are not exactly those, or a chunk goes to SDPA on the module path
+    (attention.paged_prefill_takes)."""
     nd = md.num_decodes
     if not md.prefills:
         return (md.decode_block_tables, md.decode_context_lens) if nd == rows else None
     end = nd  # each chunk's rows must follow the ones before
-    for p in md.prefills:  # a long chunk with nothing cached goes to SDPA on the module path (layers/attention.py)
-        if (p.context_len > PAGED_PREFILL_MAX and p.context_len == p.num_tokens) or p.start != end:
+    for p in md.prefills:  # a chunk the module path sends to SDPA is handed back to it
+        if not paged_prefill_takes(p.context_len, p.num_tokens) or p.start != end:
             return None
         end += p.num_tokens
     if end != rows:
@@ -113,7 +112,7 @@ class DecodeStack:
         if ctx.batch_invariant or ctx.cpu_kernels is None or x.dim() != 2 or x.dtype != torch.float32:
             return None
         k_cache, v_cache = ctx.kv_caches[self.cache_index[0]]
-        if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
+        if k_cache.dtype not in KERNEL_CACHES or v_cache.dtype != k_cache.dtype:
             return None
         stack = self._compiled(ctx.kv_caches, ctx.layer_attn)
         mds = [ctx.attn_for(i) for i in self._group_heads]

@@ -17,6 +17,7 @@ import torch
 from deepinfer.core.plan import StepPlan
 from deepinfer.kvstore.base import KVStore
 from deepinfer.kvstore.saver import AsyncSaver
+from deepinfer.layers.attention import cache_copy
 
 MAGIC = b"DKB1"
 
@@ -132,7 +133,5 @@ class KVBlockTransfer:
         offset = 0
         for view, size in zip(self._views, self._row_bytes):
             part = data[:, offset : offset + size].contiguous().view(self.dtype).view(len(block_ids), *view.shape[1:])
-            if view.element_size() == 1:  # float8: through its bytes (no float8 index_copy_ on the CPU)
-                view, part = view.view(torch.uint8), part.view(torch.uint8)
-            view.index_copy_(0, index, part)
+            cache_copy(view, index, part)
             offset += size

@@ -62,11 +62,10 @@ DecodeStack::DecodeStack(std::vector<Linear> linears, std::vector<torch::Tensor>
     max_positions_ = l == 0 ? cos_[l].size(0) : std::min(max_positions_, cos_[l].size(0));
     const auto& kc = k_caches_[l];
     const auto& vc = v_caches_[l];
-    TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == vc.scalar_type() &&
-                (kc.scalar_type() == torch::kFloat || kc.scalar_type() == torch::kBFloat16 ||
-                 kc.scalar_type() == torch::kFloat8_e4m3fn) && kc.dim() == 3 &&
+    kv_kind(kc);  // a dtype the kernels read, or it throws
+    TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == vc.scalar_type() && kc.dim() == 3 &&
                 kc.size(1) == kv_heads_ && kc.size(2) == head_dim_ && vc.sizes() == kc.sizes(),
-                "DecodeStack: KV caches must be float32, bfloat16 or float8_e4m3fn [slots, kv_heads, head_dim]");
+                "DecodeStack: KV caches must be one dtype, [slots, kv_heads, head_dim]");
   }
   for (size_t i = 0; i < linears_.size(); ++i) {
     const auto& w = linears_[i];
