@@ -37,6 +37,9 @@ def add_router_args(parser: argparse.ArgumentParser, replicas: bool = True) -> N
                         "of --api-key-file)")
     g.add_argument("--poll-interval", type=float, default=0.5, help="seconds between probes and reports per replica")
     g.add_argument("--max-attempts", type=int, default=3, help="replicas tried per request before it streams")
+    g.add_argument("--retry-wait", type=float, default=10.0, metavar="SECONDS",
+                   help="a request lost on its replica waits this long for another to be in the rotation "
+                        "(default %(default)s)")
 
 
 def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:

@@ -65,6 +65,9 @@ class RouterConfig:
     failed_probes: int = 3  # consecutive failed (timed-out) probes before a replica leaves the rotation
     state_timeout_s: float = 30.0  # a state report waits for the engine's current step
     max_attempts: int = 3  # replicas tried for one request that has not started streaming
+    # a request lost on its replica (not refused) waits this long for another to be (back) in the rotation, so a
+    # survivor briefly out of it (slow probes on loaded cores, a restart) does not turn the loss into an error
+    retry_wait_s: float = 10.0
     connect_timeout_s: float = 5.0
     replica_api_key: str | None = field(default=None, repr=False)  # sent to replicas that require a key
     api_keys: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # (tenant, key): the router checks them
@@ -79,7 +82,7 @@ class RouterConfig:
         urls = [u for p in self.pools for u in p.urls]
         if len(set(urls)) != len(urls):
             raise ValueError(f"a replica is in two pools: {urls}")
-        for name in ("poll_interval_s", "probe_timeout_s", "state_timeout_s", "connect_timeout_s"):
+        for name in ("poll_interval_s", "probe_timeout_s", "state_timeout_s", "connect_timeout_s", "retry_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.failed_probes < 1 or self.max_attempts < 1:

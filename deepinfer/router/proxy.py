@@ -5,7 +5,8 @@ refuses the connection, answers 502/503/504 (overloaded, draining, loading), or 
 answer (or the first bytes of an event stream) arrived. A stream is committed with its first bytes and then
 relayed chunk by chunk as they come, never buffered; if its replica is lost after that, the client gets an SSE
 error event and [DONE], so no request ends silently or hangs. "Lost" means a transport error, or the health
-probes taking the replica out of the rotation (a stalled process never closes its connections).
+probes taking the replica out of the rotation (a stalled process never closes its connections). A lost request
+with no other replica in the rotation waits up to retry_wait_s for one to come (back) before it fails.
 """
 from __future__ import annotations
 
@@ -89,11 +90,14 @@ def build_router_app(router: Router, tenants: Tenants = Tenants(), max_request_b
         tried: list[Replica] = []
         refused: tuple[int, bytes, dict[str, str]] | None = None  # the last 502/503/504, returned if all refuse
         role = pool.role if pool else "any"
+        lost = False  # a replica was lost with this request: wait for another to be in the rotation
         for _ in range(config.max_attempts):
             try:
                 replica = _pick(pool, prompt, keys or [], tried)
             except NoHealthyReplica:
-                break
+                if not (lost and await router.wait_routable(pool, tried, config.retry_wait_s)):
+                    break
+                replica = _pick(pool, prompt, keys or [], tried)
             tried.append(replica)
             replica.in_flight += 1
             handed_off = False
@@ -120,6 +124,7 @@ def build_router_app(router: Router, tenants: Tenants = Tenants(), max_request_b
                     if not handed_off:
                         await upstream.aclose()
             except _Lost as e:
+                lost = True
                 logger.warning("retrying elsewhere: %s", e)
                 metrics.retry(replica, e.cause)
             finally:

@@ -54,6 +54,15 @@ class Router:
         ready = [r for r in self.replicas if r.routable and r not in exclude]
         return min(ready, key=lambda r: (r.in_flight, r.state.queued_prefill_tokens), default=None)
 
+    async def wait_routable(self, pool: Pool | None, exclude: Collection[Replica], timeout_s: float) -> bool:
+        """Waits up to timeout_s for a routable replica of `pool` (any pool if None) not in `exclude`."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not any(r.routable and r not in exclude for r in (pool.replicas if pool else self.replicas)):
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     @property
     def healthy(self) -> bool:
         """Every pool that can serve a whole request (`both`, `decode`: without a prefill replica a decode replica

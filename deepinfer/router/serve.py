@@ -35,7 +35,8 @@ def router_config(args: argparse.Namespace, urls: list[str] | None = None) -> Ro
     # lets the router read their state
     replica_key = args.replica_api_key or (keys[0][1] if keys else None)
     return RouterConfig(pools=pools, model=args.model, poll_interval_s=args.poll_interval,
-                        max_attempts=args.max_attempts, replica_api_key=replica_key, api_keys=tuple(keys))
+                        max_attempts=args.max_attempts, retry_wait_s=args.retry_wait, replica_api_key=replica_key,
+                        api_keys=tuple(keys))
 
 
 async def serve_router(config: RouterConfig, host: str, port: int, log_level: str = "warning",

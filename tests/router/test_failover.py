@@ -26,7 +26,7 @@ GAP_S = 0.4  # between two streamed events of a scripted replica
 
 def scripted_replica(name: str, behaviour: str) -> FastAPI:
     """ok: answers; busy: 503; stall: /health and requests never answer; stream: an event every GAP_S;
-    die: two events, then the connection breaks."""
+    die: two events, then the connection breaks; unready: /health answers 503 (out of the rotation), requests ok."""
     app = FastAPI()
     app.state.behaviour = behaviour
     app.state.served = 0
@@ -35,6 +35,8 @@ def scripted_replica(name: str, behaviour: str) -> FastAPI:
     async def health() -> JSONResponse:
         if app.state.behaviour == "stall":
             await asyncio.sleep(3600)
+        if app.state.behaviour == "unready":
+            return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get(STATE_PATH)
@@ -54,7 +56,7 @@ def scripted_replica(name: str, behaviour: str) -> FastAPI:
         if behaviour == "busy":
             return JSONResponse({"error": {"message": "overloaded"}}, status_code=503, headers={"Retry-After": "1"})
         app.state.served += 1
-        if behaviour == "ok":
+        if behaviour in ("ok", "unready"):
             return JSONResponse({"replica": name})
 
         async def events() -> AsyncIterator[str]:
@@ -141,6 +143,34 @@ def test_a_stalled_replica_leaves_the_rotation_and_its_requests_are_retried():
             assert time.monotonic() - started < 5
             state = (await http.get(f"{url}/router/state")).json()["pools"]["both"]["replicas"]
             assert [r["health"] for r in state] == ["down", "ok"]
+
+    asyncio.run(run())
+
+
+def test_a_lost_request_waits_for_a_replica_to_come_back_into_the_rotation():
+    """r1 is out of the rotation (its /health answers 503) when r0, which holds the request, stalls and is taken out:
+    the request waits instead of failing, and r1 serves it once its probes pass again."""
+    async def run() -> None:
+        async with routed("ok", "ok") as (url, apps), httpx.AsyncClient(timeout=30) as http:
+            router_state = f"{url}/router/state"
+
+            async def health() -> list[str]:
+                replicas = (await http.get(router_state)).json()["pools"]["both"]["replicas"]
+                return [r["health"] for r in replicas]
+
+            apps[1].state.behaviour = "unready"
+            while (await health())[1] == "ok":
+                await asyncio.sleep(0.05)
+            apps[0].state.behaviour = "stall"
+            request = asyncio.ensure_future(http.post(f"{url}/v1/completions", json={"prompt": "hi"}))
+            while (await health())[0] != "down":  # r0 left the rotation with the request: nothing is routable
+                assert not request.done(), request.result().text
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            assert not request.done()
+            apps[1].state.behaviour = "ok"
+            answer = await request
+            assert answer.status_code == 200 and answer.json() == {"replica": "r1"}
 
     asyncio.run(run())
 
