@@ -17,6 +17,7 @@ from deepinfer.sample.logprobs import compute_prompt_logprobs
 from deepinfer.sample.penalties import PenaltyState
 from deepinfer.sample.sampler import Sampler, SamplingRow, has_penalties
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.worker.decode_batch import DecodeBatch
 from deepinfer.worker.inputs import RequestRows, StepInputs, build_inputs
 from deepinfer.worker.mtp import mtp_drafts
 from deepinfer.sample.rejection import verify_greedy
@@ -143,6 +144,8 @@ class ModelRunner:
         self.async_loads = False  # with a KV store: load blocks in the background (core/kv_loading.py)
         self.kv_puller: HandoffPuller | None = None  # disaggregation, decode role: pulls prompt KV from prefill engines
         self._requests: dict[str, _RequestState] = {}
+        # the decode batch moved on from step to step (worker/decode_batch.py); None: inputs built anew every step
+        self.decode_batch: DecodeBatch | None = DecodeBatch(len(self.layout.groups), block_size, self.device)
 
     def _apply_diff(self, plan: StepPlan) -> None:
         for request_id in plan.finished_ids:
@@ -184,9 +187,13 @@ class ModelRunner:
         if not plan.num_tokens:
             return result
         clock = time.perf_counter()
-        inputs = build_inputs(plan, {rid: self._requests[rid].token_ids for rid in plan.num_tokens},
-                              {rid: self._requests[rid].block_ids for rid in plan.num_tokens}, self.layout,
-                              self.block_size, self.device)
+        inputs = self.decode_batch.advance(plan, self._requests) if self.decode_batch is not None else None
+        if inputs is None:
+            inputs = build_inputs(plan, {rid: self._requests[rid].token_ids for rid in plan.num_tokens},
+                                  {rid: self._requests[rid].block_ids for rid in plan.num_tokens}, self.layout,
+                                  self.block_size, self.device)
+            if self.decode_batch is not None:
+                self.decode_batch.keep(plan, inputs, self._requests)
         md = inputs.group_metadata
         ctx = ForwardContext(attn=md[0], kv_caches=self.kv_caches, positions=inputs.positions,
                              batch_invariant=self.batch_invariant,
