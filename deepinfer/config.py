@@ -257,6 +257,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: torch's default
     cpu_kernels: bool = True  # the compiled CPU kernels and ops (DEEPINFER_CPU_KERNELS=0: torch ops only)
     fused_ops: bool = True  # norms, activations, rotary, cache writes through compiled ops (DEEPINFER_FUSED_OPS=0: off)
+    # on the CPU, glibc's malloc keeps freed memory for the next step (worker/host_memory.py;
+    # DEEPINFER_KEEP_HOST_MEMORY=0: glibc's defaults)
+    keep_host_memory: bool = True
 
     @classmethod
     def from_kwargs(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> EngineConfig:
@@ -295,6 +298,8 @@ class EngineConfig:
             top["cpu_kernels"] = _env_flag(env, "DEEPINFER_CPU_KERNELS", True)
         if "fused_ops" not in top:
             top["fused_ops"] = _env_flag(env, "DEEPINFER_FUSED_OPS", True)
+        if "keep_host_memory" not in top:
+            top["keep_host_memory"] = _env_flag(env, "DEEPINFER_KEEP_HOST_MEMORY", True)
         if "enable_mtp_varlen" not in top:
             top["enable_mtp_varlen"] = _env_flag(env, "DEEPINFER_ENABLE_MTP_VARLEN", True)
         return cls(

@@ -21,6 +21,7 @@ from deepinfer.spec.mtp_head import load_head
 from deepinfer.transforms.batch_invariant import make_batch_invariant
 from deepinfer.transforms.fused_ops import enable_fused_ops
 from deepinfer.transforms.quantize import finalize_quantized, prepare_quantized
+from deepinfer.worker.host_memory import keep_freed_memory
 from deepinfer.worker.kv_transfer import KVBlockTransfer
 from deepinfer.worker.model_builder import TORCH_DTYPES, build_model
 from deepinfer.worker.runner import ModelRunner
@@ -82,6 +83,9 @@ class InProcessExecutor(Executor):
         self.quantized = compute.quantization is not None
         self._prepare_mtp(files, ops)
         self.runner: ModelRunner | None = None
+        if compute.device == "cpu":  # once loaded: the loading's temporaries go back to the kernel first
+            logger.info("host memory: %s", keep_freed_memory() if config.keep_host_memory else
+                        "glibc's defaults (DEEPINFER_KEEP_HOST_MEMORY=0)")
 
     def _prepare_mtp(self, files: ModelFiles, ops) -> None:
         """With MTP drafts: the checkpoint's MTP layers or a trained head (spec.draft), transformed like the model;
