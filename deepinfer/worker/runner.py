@@ -66,10 +66,17 @@ class _RequestState:
     eos_token_ids: frozenset[int]
     drafting: DraftState = field(default_factory=DraftState)
     penalties: PenaltyState | None = None  # requests with penalties: their tokens as the sampler reads them
+    plain_greedy: bool = field(init=False, default=False)  # greedy, no logprobs, no penalties
 
     def __post_init__(self) -> None:
         if has_penalties(self.params):
             self.penalties = PenaltyState(self.token_ids.prompt, self.token_ids.output)
+        self.plain_greedy = self.params.greedy and self.params.logprobs is None and self.penalties is None
+
+    @property
+    def argmax_only(self) -> bool:
+        """A row the sampler answers with the argmax alone (once min_tokens no longer holds back a stop token)."""
+        return self.plain_greedy and len(self.token_ids.output) >= self.params.min_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -233,7 +240,14 @@ class ModelRunner:
 
     def _sample(self, sampling: list[RequestRows], logits: torch.Tensor, masks: dict, result: StepResult) -> None:
         """Plain rows and greedy requests' draft rows through the sampler in one call (a greedy request accepts its
-        drafts while they equal the argmax); other requests with drafts through verification."""
+        drafts while they equal the argmax); other requests with drafts through verification. A step of plain greedy
+        rows only (the common case) takes the argmax straight away: what the sampler computes for them."""
+        if not masks and all(not r.drafts and self._requests[r.request_id].argmax_only for r in sampling):
+            for r, token in zip(sampling, self.sampler.argmax(logits).tolist()):
+                if self.spec is not None:
+                    check_shadow(self._requests[r.request_id].drafting, token)
+                self._emit(r.request_id, [token], [None], result)
+            return
         offsets = np.cumsum([0] + [1 + len(r.drafts) for r in sampling])
         batched, rows = [], []
         for i, r in enumerate(sampling):
