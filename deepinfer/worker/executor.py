@@ -83,7 +83,7 @@ class InProcessExecutor(Executor):
         self.quantized = compute.quantization is not None
         self._prepare_mtp(files, ops)
         self.runner: ModelRunner | None = None
-        if compute.device == "cpu":  # once loaded: the loading's temporaries go back to the kernel first
+        if compute.device == "cpu":  # once loaded: the loading's large temporaries were returned to the kernel
             logger.info("host memory: %s", keep_freed_memory() if config.keep_host_memory else
                         "glibc's defaults (DEEPINFER_KEEP_HOST_MEMORY=0)")
 
