@@ -104,9 +104,13 @@ def _check_inputs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
             raise ValueError(f"row {i}: allowed_token_mask must be bool of shape ({vocab},), got {mask.dtype} {tuple(mask.shape)}")
 
 
+def plain_greedy_params(p: SamplingParams) -> bool:
+    """Parameters whose rows are the argmax alone, unless a mask or min_tokens intervenes."""
+    return p.greedy and p.logprobs is None and not has_penalties(p)
+
+
 def _is_plain_greedy(row: SamplingRow, vocab: int) -> bool:
-    p = row.params
-    return p.greedy and p.logprobs is None and row.allowed_token_mask is None and not has_penalties(p) and not _suppresses_stops(row, vocab)
+    return plain_greedy_params(row.params) and row.allowed_token_mask is None and not _suppresses_stops(row, vocab)
 
 
 def has_penalties(p: SamplingParams) -> bool:

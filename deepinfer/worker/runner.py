@@ -15,7 +15,7 @@ from deepinfer.core.plan import StepPlan, StepResult
 from deepinfer.layers.context import ForwardContext, forward_context
 from deepinfer.sample.logprobs import compute_prompt_logprobs
 from deepinfer.sample.penalties import PenaltyState
-from deepinfer.sample.sampler import Sampler, SamplingRow, has_penalties
+from deepinfer.sample.sampler import Sampler, SamplingRow, has_penalties, plain_greedy_params
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.worker.decode_batch import DecodeBatch
 from deepinfer.worker.inputs import RequestRows, StepInputs, build_inputs
@@ -71,7 +71,7 @@ class _RequestState:
     def __post_init__(self) -> None:
         if has_penalties(self.params):
             self.penalties = PenaltyState(self.token_ids.prompt, self.token_ids.output)
-        self.plain_greedy = self.params.greedy and self.params.logprobs is None and self.penalties is None
+        self.plain_greedy = plain_greedy_params(self.params)
 
     @property
     def argmax_only(self) -> bool:
