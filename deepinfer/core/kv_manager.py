@@ -92,6 +92,8 @@ class KVCacheManager:
 
     def update_keys(self, request: Request) -> None:
         """Extends request.block_hashes over its full blocks (the KV store needs them even with caching off)."""
+        if len(request.block_hashes) >= request.num_tokens // self.block_size:
+            return  # no block filled since: most decode steps (no root key, no copy of the tokens)
         root = root_key(self.model_key, request.params.cache_salt)
         extend_block_keys(request.block_hashes, root, request.all_token_ids, self.block_size)
 
@@ -181,6 +183,8 @@ class KVCacheManager:
 
     def can_allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         needed = self.blocks_needed(request, num_new_tokens, hit)
+        if hit is None:
+            return needed <= self.pool.num_free_blocks
         touched = {b for blocks in (hit.blocks if hit else ()) for b in blocks if b >= 0}
         # Cached blocks sitting in the free queue stop being free once touched.
         return needed <= self.pool.num_free_blocks - sum(1 for b in touched if self.pool.ref_count(b) == 0)
