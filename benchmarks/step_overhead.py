@@ -20,20 +20,21 @@ from common import default_output_path, machine_info, write_json  # noqa: E402
 PHASES = ("schedule", "prepare", "forward", "sample", "update", "output")
 
 
-def decode_round(llm, batch: int, prompt_len: int, steps: int, moved: bool, tag: str) -> tuple[dict, list]:
+def decode_round(llm, batch: int, prompt_len: int, steps: int, moved: bool, tag: str,
+                 output_kind: str = "final_only") -> tuple[dict, list]:
     """`batch` requests prefilled, then `steps` decode steps timed; per-phase ms per step, and the tokens."""
     from deepinfer import SamplingParams
 
     engine, runner = llm.engine, llm.engine.executor.runner
     held = runner.decode_batch
     runner.decode_batch = held if moved else None
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True, output_kind=output_kind)
     try:
         for i in range(batch):
             engine.add_request(f"{tag}-{i}", [1000 + (7 * i + t) % 20000 for t in range(prompt_len)], params)
-        started = set()
-        while len(started) < batch:  # every prompt computed: each request has its first token
-            started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+        ids = [f"{tag}-{i}" for i in range(batch)]
+        while not all(engine.scheduler.requests[i].output_token_ids for i in ids):  # every prompt computed
+            engine.step()
         for _ in range(2):
             engine.step()
         before = engine.step_times.copy()
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--output-kind", default="final_only", choices=("cumulative", "delta", "final_only"),
+                        help="what each step hands back (final_only: as LLM.generate; cumulative: as a stream)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     from deepinfer import LLM
@@ -71,13 +74,13 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(args.model, num_threads=args.threads, max_num_seqs=max(sizes), kv_cache_memory=1 << 30)
     rows = []
     for batch in sizes:
-        decode_round(llm, batch, args.prompt_len, 8, True, f"warm{batch}")
+        decode_round(llm, batch, args.prompt_len, 8, True, f"warm{batch}", args.output_kind)
         runs: dict[str, list[dict]] = {"moved": [], "built": []}
         tokens: dict[str, list] = {}
         for rnd in range(args.rounds):
             for name in (("moved", "built") if rnd % 2 == 0 else ("built", "moved")):
                 point, tokens[name] = decode_round(llm, batch, args.prompt_len, args.steps, name == "moved",
-                                                   f"b{batch}r{rnd}{name}")
+                                                   f"b{batch}r{rnd}{name}", args.output_kind)
                 runs[name].append(point)
         assert [t for _, t in tokens["moved"]] == [t for _, t in tokens["built"]], "tokens differ"
         row = {"batch": batch}

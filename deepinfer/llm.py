@@ -70,7 +70,7 @@ class LLM:
             ids.append(request_id)
             try:
                 prompt = self._unwrap(prompt)
-                self.engine.add_request(request_id, prompt, self._without_text(p) if self.skip_tokenizer_init else p)
+                self.engine.add_request(request_id, prompt, self._engine_params(p))
             except ValueError as e:
                 if self.raise_on_error:
                     for added in ids:
@@ -99,6 +99,12 @@ class LLM:
             raise ValueError("skip_tokenizer_init=True: give prompts as token ids (a list or {'prompt_token_ids': "
                              "[...]}), not text")
         return prompt
+
+    def _engine_params(self, params: SamplingParams) -> SamplingParams:
+        """generate() returns finished outputs only, so the engine makes none before (as vLLM's LLM does)."""
+        if isinstance(params, SamplingParams) and params.output_kind != "final_only":
+            params = params.replace(output_kind="final_only")
+        return self._without_text(params) if self.skip_tokenizer_init else params
 
     @staticmethod
     def _without_text(params: SamplingParams) -> SamplingParams:

@@ -14,6 +14,9 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 1e6
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # beyond it float32 logits overflow or underflow; no use needs more
 TTL_CLASSES = ("agent", "chatbot")
+# What each step's output of a request carries (vLLM's RequestOutputKind): everything so far, only what is new since
+# the last output, or nothing until it finishes (the offline LLM's choice: no per-step output objects)
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class SamplingParams:
     cache_salt: str | None = None
     kv_ttl_class: str | None = None
     detokenize: bool = True  # False: token ids only, no text (vLLM's name; needed with skip_tokenizer_init)
+    output_kind: str = "cumulative"  # one of OUTPUT_KINDS
 
     def __post_init__(self) -> None:
         if self.seq_seed is not None and self.seed is not None and self.seq_seed != self.seed:
@@ -116,6 +120,8 @@ class SamplingParams:
             raise bad("kv_ttl_class", f"one of {TTL_CLASSES}")
         if not isinstance(self.detokenize, bool):
             raise bad("detokenize", "a bool")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise bad("output_kind", f"one of {OUTPUT_KINDS}")
         if not self.detokenize and self.stop:
             raise ValueError(f"stop strings need detokenize=True (text to search), got stop={self.stop!r}")
 

@@ -328,6 +328,8 @@ class Engine:
                     child_id = parent_id if len(state.sequences) == 1 else f"{parent_id}#{i}"
                     self._children.pop(child_id, None)
                     self.structured.remove(child_id)
+            elif state.output_kind == "final_only":
+                continue  # nothing to hand out until it finishes
             outputs.append(state.to_output())
         return outputs
 

@@ -24,6 +24,9 @@ class SequenceText:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    emitted_tokens: int = 0  # output_kind "delta": tokens, characters and logprobs already handed out
+    emitted_chars: int = 0
+    emitted_logprobs: int = 0
 
     def add_tokens(self, tokenizer, tokens: list[int]) -> str | None:
         """Consumes new tokens; returns the stop string if one appeared (text is cut before it)."""
@@ -81,19 +84,14 @@ class RequestState:
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.sequences)
 
+    @property
+    def output_kind(self) -> str:
+        return self.sequences[0].params.output_kind
+
     def to_output(self) -> RequestOutput:
+        """Everything so far, or with output_kind "delta" what is new since the last call."""
         finished = self.finished
-        outputs = [
-            CompletionOutput(
-                index=i,
-                text=s.visible_text(),
-                token_ids=list(s.token_ids),
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-                logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
-            )
-            for i, s in enumerate(self.sequences)
-        ]
+        outputs = [_sequence_output(i, s, self.output_kind == "delta") for i, s in enumerate(self.sequences)]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -104,6 +102,17 @@ class RequestState:
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
         )
+
+
+def _sequence_output(index: int, s: SequenceText, delta: bool) -> CompletionOutput:
+    text, tokens, logprobs = s.visible_text(), s.token_ids, s.logprobs
+    if delta:
+        text, tokens, logprobs = text[s.emitted_chars :], tokens[s.emitted_tokens :], logprobs[s.emitted_logprobs :]
+        s.emitted_chars += len(text)
+        s.emitted_tokens += len(tokens)
+        s.emitted_logprobs += len(logprobs)
+    return CompletionOutput(index=index, text=text, token_ids=list(tokens), finish_reason=s.finish_reason,
+                            stop_reason=s.stop_reason, logprobs=list(logprobs) if s.params.logprobs is not None else None)
 
 
 def new_sequence(params: SamplingParams) -> SequenceText:

@@ -226,7 +226,9 @@ class _SamplingRequest(_Request):
             "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids,
         }
         constraint = self.structured_output()
+        # a response that is not streamed is made from the final output: the engine makes no per-step ones
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, so_args=constraint and constraint[1],
+                              output_kind="cumulative" if self.stream else "final_only",
                               **{k: v for k, v in given.items() if v is not None}, **extra)
 
     @property
