@@ -69,7 +69,8 @@ def offline_point(llm, batch: int, args, token_ids) -> dict[str, Any]:
 
     engine = llm.engine
     requests = random_requests(batch, (args.prompt_len,) * 2, (args.output_len,) * 2, token_ids, args.seed + batch)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    # deltas, as a streaming server asks for them: each output holds the tokens its step made
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, output_kind="delta")
     before = engine.step_times.copy()
     starts, times = {}, {}
     start = time.perf_counter()
@@ -81,7 +82,7 @@ def offline_point(llm, batch: int, args, token_ids) -> dict[str, Any]:
         outputs = engine.step()
         now = time.perf_counter()
         for out in outputs:
-            times[out.request_id] += [now] * (len(out.outputs[0].token_ids) - len(times[out.request_id]))
+            times[out.request_id] += [now] * len(out.outputs[0].token_ids)
     point = summarize(batch, starts, times, time.perf_counter() - start)
     steps = engine.step_times.since(before)
     point["step_ms"] = steps.per_step_ms()

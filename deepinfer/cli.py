@@ -16,17 +16,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine(engine_config_from_args(args))
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
-        seq_seed=args.seed, stop=args.stop or None,
+        seq_seed=args.seed, stop=args.stop or None, output_kind="delta",
     )
     prompt = engine.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     engine.add_request("cli", prompt, params)
-    printed = 0
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.outputs[0].text
-            sys.stdout.write(text[printed:])
+        for out in engine.step():  # deltas: the text each step adds
+            sys.stdout.write(out.outputs[0].text)
             sys.stdout.flush()
-            printed = len(text)
     sys.stdout.write("\n")
     return 0
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import queue
 import threading
@@ -21,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from deepinfer.outputs import RequestOutput
+from deepinfer.outputs import RequestOutput, merge_delta
 from deepinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -81,10 +80,12 @@ class _Call:
 
 
 class RequestStream:
-    """The outputs of one request, in order; cumulative, so a slow reader skips to the newest."""
+    """The outputs of one request, in order. A slow reader gets what piled up as one output: the newest (cumulative
+    outputs) or the pile joined (delta outputs)."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, delta: bool = False) -> None:
         self.request_id = request_id
+        self.delta = delta
         self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
         self._ready = asyncio.Event()
         self.finished = False
@@ -104,7 +105,8 @@ class RequestStream:
             await self._ready.wait()
         latest = self._items.popleft()
         while self._items and isinstance(latest, RequestOutput) and not latest.finished:
-            latest = self._items.popleft()
+            later = self._items.popleft()
+            latest = merge_delta(latest, later) if self.delta and isinstance(later, RequestOutput) else later
         if isinstance(latest, BaseException):
             self.finished = True
             raise latest
@@ -198,7 +200,7 @@ class AsyncEngineClient:
             raise EngineNotReady("the model is still loading" if self._dead is None else f"the engine failed: {self._dead}")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, delta=getattr(params, "output_kind", None) == "delta")
         self._streams[request_id] = stream
         accepted = self._loop.create_future()
         self._commands.put(_Add(request_id, prompt, params, time.time() if arrival_time is None else arrival_time, accepted,
@@ -213,7 +215,7 @@ class AsyncEngineClient:
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative outputs until the request finishes; aborts it if the caller stops early."""
+        """Yields outputs (of params.output_kind) until the request finishes; aborts it if the caller stops early."""
         stream = await self.add_request(request_id, prompt, params, arrival_time)
         try:
             async for output in stream:
@@ -280,11 +282,9 @@ class AsyncEngineClient:
                 continue
             finally:
                 self._stats = engine.stats()
-            for out in outputs:
+            for out in outputs:  # (each output's metrics are already a snapshot: RequestState.to_output)
                 if out.finished:
                     self._live.discard(out.request_id)
-                # RequestMetrics is shared with the engine's live state; hand over a snapshot.
-                out.metrics = dataclasses.replace(out.metrics)
             if outputs:
                 self._loop.call_soon_threadsafe(self._dispatch, outputs)
         self._abort_in_engine(engine)

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer.disagg.params import KVTransferParams, request_transfer, with_transfer_params
 from deepinfer.engine.client import AsyncEngineClient, EngineNotReady, EngineOverloaded, RequestAborted, RequestStream
-from deepinfer.outputs import RequestOutput
+from deepinfer.outputs import RequestOutput, merge_delta
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.auth import Tenants, auth_checker, salted
 from deepinfer.server.metrics import CONTENT_TYPE, RequestTracker, ServerMetrics
@@ -327,8 +327,8 @@ async def _collect_unless_disconnected(request: Request, outputs: AsyncIterator[
                                        count: int) -> list[RequestOutput]:
     async def collect() -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * count
-        async for i, out in outputs:
-            finals[i] = out
+        async for i, out in outputs:  # delta outputs: joined into each prompt's whole output
+            finals[i] = out if finals[i] is None else merge_delta(finals[i], out)
         return finals
 
     async def disconnected() -> None:

@@ -224,18 +224,23 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Feeds the latency histograms from one request's cumulative outputs."""
+    """Feeds the latency histograms from one request's outputs: cumulative, or deltas (params.output_kind)."""
 
     def __init__(self, metrics: ServerMetrics, params: SamplingParams | None = None) -> None:
         self._m = metrics
         self._params = params
+        self._delta = params is not None and params.output_kind == "delta"
+        self._lengths: dict[int, int] = {}  # per sequence: its tokens so far
         self._tokens = 0
         self._last_time: float | None = None
         self._ended = False
 
     def update(self, out: RequestOutput) -> None:
         m = out.metrics
-        tokens = len(out.outputs[0].token_ids) if out.outputs else 0
+        for choice in out.outputs:
+            seen = self._lengths.get(choice.index, 0) if self._delta else 0
+            self._lengths[choice.index] = seen + len(choice.token_ids)
+        tokens = self._lengths.get(out.outputs[0].index, 0) if out.outputs else 0
         if tokens > self._tokens:
             stamp = m.last_token_time or time.time()
             if self._last_time is None:
@@ -261,7 +266,7 @@ class RequestTracker:
 
     def _finished(self, out: RequestOutput, end: float) -> None:
         m, metrics = out.metrics, self._m
-        lengths = [len(choice.token_ids) for choice in out.outputs] or [0]
+        lengths = [self._lengths.get(choice.index, 0) for choice in out.outputs] or [0]
         metrics._prompt_len.observe(len(out.prompt_token_ids))
         metrics._generation_len.observe(sum(lengths))
         metrics._max_generation.observe(max(lengths))

@@ -226,9 +226,10 @@ class _SamplingRequest(_Request):
             "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids,
         }
         constraint = self.structured_output()
-        # a response that is not streamed is made from the final output: the engine makes no per-step ones
+        # each step hands over only what is new (no per-step copies that grow with the output); a response that is
+        # not streamed joins them
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, so_args=constraint and constraint[1],
-                              output_kind="cumulative" if self.stream else "final_only",
+                              output_kind="delta",
                               **{k: v for k, v in given.items() if v is not None}, **extra)
 
     @property

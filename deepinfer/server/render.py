@@ -1,7 +1,8 @@
 """RequestOutput -> OpenAI JSON: whole responses and SSE chunks for completions and chat.
 
-Outputs are cumulative, so a renderer remembers per choice how much text and how many logprobs it
-has sent and emits only the difference.
+Streamed outputs are deltas (output_kind "delta": each holds only what is new), and a whole response is rendered
+from the deltas joined; a renderer remembers per choice whether it has started and finished, the text offset, and
+how many tokens it has sent (for usage).
 """
 from __future__ import annotations
 
@@ -37,8 +38,7 @@ class TokenText:
 
 @dataclass
 class _Sent:
-    text: int = 0  # characters of the choice's text already sent
-    logprobs: int = 0  # positions whose logprobs were already sent
+    tokens: int = 0  # the choice's tokens sent so far
     offset: int = 0  # text_offset of the next token (completions)
     finished: bool = False
     started: bool = False
@@ -55,7 +55,7 @@ class Renderer:
         self.include_usage = body.include_usage
         self.created = int(time.time())
         self._sent: dict[int, _Sent] = {}
-        self._latest: dict[int, RequestOutput] = {}
+        self._latest: dict[int, RequestOutput] = {}  # per prompt: its prompt tokens and cached tokens for usage
 
     # ---- streaming ------------------------------------------------------------------------
     def first_chunks(self) -> list[str]:
@@ -78,7 +78,10 @@ class Renderer:
     def last_chunks(self) -> list[str]:
         if not self.include_usage:
             return []
-        usage = self.usage(list(self._latest.values()))
+        latest = list(self._latest.values())
+        usage = Usage.of(prompt_tokens=sum(len(o.prompt_token_ids) for o in latest),
+                         completion_tokens=sum(sent.tokens for sent in self._sent.values()),
+                         cached_tokens=sum(o.num_cached_tokens for o in latest))
         return [self.object_chunk(id=self.request_id, created=self.created, model=self.model, choices=[],
                                   usage=usage).model_dump_json()]
 
@@ -91,16 +94,12 @@ class Renderer:
 
     # ---- shared pieces ----------------------------------------------------------------------
     def _new_text(self, seq: CompletionOutput, sent: _Sent) -> str:
-        delta = seq.text[sent.text:]
-        sent.text = len(seq.text)
-        return delta
+        sent.tokens += len(seq.token_ids)
+        return seq.text
 
-    def _new_logprobs(self, seq: CompletionOutput, sent: _Sent) -> list[tuple[int, TokenLogprobs]]:
-        if seq.logprobs is None:
-            return []
-        fresh = list(zip(seq.token_ids[sent.logprobs:], seq.logprobs[sent.logprobs:]))
-        sent.logprobs += len(fresh)
-        return fresh
+    @staticmethod
+    def _new_logprobs(seq: CompletionOutput) -> list[tuple[int, TokenLogprobs]]:
+        return [] if seq.logprobs is None else list(zip(seq.token_ids, seq.logprobs))
 
     def _finish(self, seq: CompletionOutput, sent: _Sent) -> str | None:
         if seq.finish_reason is not None:
@@ -150,7 +149,7 @@ class CompletionRenderer(Renderer):
             prefix = self._echo(out, sent, logprobs) if self.echo else ""
         text = prefix + self._new_text(seq, sent)
         if logprobs is not None:
-            self._add_logprobs(logprobs, self._new_logprobs(seq, sent), sent)
+            self._add_logprobs(logprobs, self._new_logprobs(seq), sent)
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=self._finish(seq, sent),
                                 stop_reason=seq.stop_reason)
 
@@ -201,7 +200,7 @@ class ChatRenderer(Renderer):
 
     def delta_choice(self, index: int, out: RequestOutput, seq: CompletionOutput, sent: _Sent) -> Any:
         text = self._new_text(seq, sent)
-        logprobs = self._logprobs(self._new_logprobs(seq, sent))
+        logprobs = self._logprobs(self._new_logprobs(seq))
         finish = self._finish(seq, sent)
         if not text and not finish and not (logprobs and logprobs.content):
             return None

@@ -1,8 +1,12 @@
 """What each step hands back (SamplingParams.output_kind, vLLM's RequestOutputKind): everything so far, only what is
 new, or nothing until the request finishes. The content a caller ends up with is the same in all three."""
+import asyncio
+
 import pytest
 
 from deepinfer import SamplingParams
+from deepinfer.engine.client import RequestStream
+from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 def _run(engine, params: SamplingParams, prompts: list[str]) -> dict[str, list]:
@@ -75,3 +79,41 @@ def test_generate_asks_the_engine_for_final_outputs_only(smol):
 def test_unknown_output_kind_is_refused():
     with pytest.raises(ValueError, match="output_kind must be one of"):
         SamplingParams(output_kind="streaming")
+
+
+def _delta(text: str, tokens: list[int], finish: str | None = None) -> RequestOutput:
+    seqs = [CompletionOutput(index=0, text=text, token_ids=tokens, finish_reason=finish, logprobs=[{t: -1.0}
+                                                                                               for t in tokens])]
+    return RequestOutput("r", None, [1, 2], seqs, finish is not None, RequestMetrics(arrival_time=0.0))
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_a_slow_reader_gets_what_piled_up_as_one_output(delta):
+    """Cumulative outputs: the newest stands for the pile. Deltas: the pile joined, nothing lost."""
+    async def read() -> list[RequestOutput]:
+        stream = RequestStream("r", delta=delta)
+        for piece in (_delta("a", [5]), _delta("b", [6]), _delta("", [])):
+            stream.put(piece)
+        first = await stream.__anext__()
+        stream.put(_delta("c", [7], "length"))
+        return [first, await stream.__anext__()]
+
+    first, last = asyncio.run(read())
+    assert last.finished and last.outputs[0].text == "c"
+    if delta:
+        assert (first.outputs[0].text, first.outputs[0].token_ids) == ("ab", [5, 6])
+        assert first.outputs[0].logprobs == [{5: -1.0}, {6: -1.0}] and not first.finished
+    else:
+        assert (first.outputs[0].text, first.outputs[0].token_ids) == ("", [])
+
+
+def test_cli_generate_prints_the_text_generate_returns(smol, capsys):
+    """`deepinfer generate` streams deltas to stdout: what it prints is the whole text."""
+    from deepinfer.cli import main
+
+    prompt = "The capital of France is"
+    assert main(["generate", "--prompt", prompt, "--max-tokens", "16", "--temperature", "0", "--dtype", "float32",
+                 "--kv-cache-memory", str(64 << 20)]) == 0
+    printed = capsys.readouterr().out
+    expected = smol.generate(prompt, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
+    assert printed == expected + "\n" and expected

@@ -48,6 +48,25 @@ def test_streamed_completion_matches_the_whole_one(client):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_streamed_choices_put_together_are_the_whole_response(client):
+    """n=2, seeded sampling, logprobs with echo and a stop string: each choice's streamed pieces (sent as deltas)
+    joined give the whole response's text, logprobs and reasons; usage counts the same tokens."""
+    args = dict(model=MODEL, prompt=[PROMPT, "Count: one, two,"], n=2, max_tokens=12, temperature=0.9, seed=3,
+                logprobs=2, echo=True, stop=[" four"])
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    for choice in whole.choices:
+        parts = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(p.text for p in parts) == choice.text
+        assert [t for p in parts for t in p.logprobs.tokens] == choice.logprobs.tokens
+        assert [t for p in parts for t in p.logprobs.token_logprobs] == choice.logprobs.token_logprobs
+        assert [t for p in parts for t in p.logprobs.text_offset] == choice.logprobs.text_offset
+        assert parts[-1].finish_reason == choice.finish_reason and parts[-1].stop_reason == choice.stop_reason
+    assert len(whole.choices) == 4 and any(c.finish_reason == "stop" for c in whole.choices)
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
 def test_chat_whole_and_streamed(client):
     messages = [{"role": "system", "content": "You are terse."},
                 {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
