@@ -103,6 +103,17 @@ class QuantizedLinear(nn.Module):
         return F.linear(x.float(), w.dense, self.bias)
 
 
+def head_argmax(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+    """torch.argmax(head(hidden), -1) without the [rows, vocab] outputs, for an LM head computing on quantized blocks
+    with the compiled kernels and no bias; None otherwise (the caller computes the logits)."""
+    if not isinstance(head, QuantizedLinear):
+        return None
+    w = head.weight
+    if w.packed is None or head.bias is not None or not hasattr(w.kernels, "quant_linear_argmax"):
+        return None
+    return ql.argmax(w.kernels, hidden.float().contiguous(), w.packed)
+
+
 class QuantizedEmbedding(nn.Module):
     """Looks up rows of a quantized table, dequantizing only those rows (the same bits as a dense lookup of the
     dequantized table)."""

@@ -26,6 +26,10 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Called after loading when the checkpoint omits tied tensors."""
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """compute_logits(hidden).argmax(-1) without the logits, where the model can (None: compute them)."""
+        return None
+
     def optional_weights(self) -> set[str]:
         """Parameters a checkpoint may omit (tied embeddings)."""
         return set()

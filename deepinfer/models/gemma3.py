@@ -13,6 +13,7 @@ from deepinfer.layers.activation import ActAndMul
 from deepinfer.layers.attention import Attention
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.norm import RMSNorm
+from deepinfer.layers.quantized import head_argmax
 from deepinfer.layers.rotary import RotaryEmbedding, rope_frequencies
 from deepinfer.core.kv_layout import KVCacheSpec
 from deepinfer.models.base import CausalLM
@@ -168,6 +169,11 @@ class Gemma3ForCausalLM(CausalLM):
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """compute_logits(hidden).argmax(-1) without the logits where the head can (layers/quantized.head_argmax);
+        not under a softcap, whose rounding can make distinct logits equal."""
+        return None if self.softcap is not None else head_argmax(self.lm_head, hidden)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return [

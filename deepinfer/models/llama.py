@@ -8,6 +8,7 @@ from deepinfer.layers.activation import ActAndMul
 from deepinfer.layers.attention import Attention
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.norm import RMSNorm
+from deepinfer.layers.quantized import head_argmax
 from deepinfer.layers.rotary import RotaryEmbedding, rope_frequencies
 from deepinfer.core.kv_layout import KVCacheSpec
 from deepinfer.models.base import CausalLM
@@ -135,6 +136,10 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """compute_logits(hidden).argmax(-1) without the logits where the head can (layers/quantized.head_argmax)."""
+        return head_argmax(self.lm_head, hidden)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """Per attention layer; an attached MTP layer caches after the main ones."""

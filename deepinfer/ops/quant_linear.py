@@ -169,6 +169,14 @@ def linear(kernels: ModuleType, x: torch.Tensor, w: PackedWeight, bias: torch.Te
     return kernels.quant_linear(x.reshape(-1, w.k), *w.op_args, bias).view(*lead, w.n)
 
 
+def argmax(kernels: ModuleType, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """x [M, K] float32 -> [M] int64: per row, the index of the largest of linear(x, w)'s outputs (the first of
+    equals; the first NaN), what torch.argmax of the outputs gives, computed without writing them."""
+    if x.dim() != 2 or x.shape[-1] != w.k:
+        raise ValueError(f"quantized argmax takes [M, {w.k}] inputs, got {tuple(x.shape)}")
+    return kernels.quant_linear_argmax(x, *w.op_args)
+
+
 def rows(kernels: ModuleType, ids: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """Rows `ids` of the weight, dequantized to float32: [*ids.shape, K]."""
     out = kernels.quant_rows(ids.reshape(-1), w.quants, w.scales, w.offsets, w.fmt.bits, w.fmt.group,

@@ -214,9 +214,16 @@ class ModelRunner:
         if sampling:
             rows = torch.tensor([r.first_row + r.num_known - 1 + i for r in sampling for i in range(1 + len(r.drafts))],
                                 device=self.device)
-            logits = self.model.compute_logits(hidden[rows])
-            clock = _lap(result, "forward", clock)
-            self._sample(sampling, logits, plan.grammar_masks, result)
+            # plain greedy rows only: the head's argmax straight from its weights where the model can (no logits)
+            tokens = self.model.greedy_tokens(hidden[rows]) if self._argmax_only(sampling, plan.grammar_masks) \
+                else None
+            if tokens is not None:
+                clock = _lap(result, "forward", clock)  # the head and its argmax in one op
+                self._emit_argmax(sampling, tokens, result)
+            else:
+                logits = self.model.compute_logits(hidden[rows])
+                clock = _lap(result, "forward", clock)
+                self._sample(sampling, logits, plan.grammar_masks, result)
             clock = _lap(result, "sample", clock)
         else:
             clock = _lap(result, "forward", clock)
@@ -242,11 +249,8 @@ class ModelRunner:
         """Plain rows and greedy requests' draft rows through the sampler in one call (a greedy request accepts its
         drafts while they equal the argmax); other requests with drafts through verification. A step of plain greedy
         rows only (the common case) takes the argmax straight away: what the sampler computes for them."""
-        if not masks and all(not r.drafts and self._requests[r.request_id].argmax_only for r in sampling):
-            for r, token in zip(sampling, self.sampler.argmax(logits).tolist()):
-                if self.spec is not None:
-                    check_shadow(self._requests[r.request_id].drafting, token)
-                self._emit(r.request_id, [token], [None], result)
+        if self._argmax_only(sampling, masks):
+            self._emit_argmax(sampling, self.sampler.argmax(logits), result)
             return
         offsets = np.cumsum([0] + [1 + len(r.drafts) for r in sampling])
         batched, rows = [], []
@@ -287,6 +291,16 @@ class ModelRunner:
                                  state.sampling_row(None), r.drafts, _position_masks(masks.get(r.request_id)))
             record_acceptance(state.drafting, len(r.drafts), len(tokens) - 1)
             self._emit(r.request_id, tokens, lps, result)
+
+    def _argmax_only(self, sampling: list[RequestRows], masks: dict) -> bool:
+        """Every row plain greedy: no grammar mask, no drafts, no logprobs or penalties, min_tokens met."""
+        return not masks and all(not r.drafts and self._requests[r.request_id].argmax_only for r in sampling)
+
+    def _emit_argmax(self, sampling: list[RequestRows], tokens: torch.Tensor, result: StepResult) -> None:
+        for r, token in zip(sampling, tokens.tolist()):
+            if self.spec is not None:
+                check_shadow(self._requests[r.request_id].drafting, token)
+            self._emit(r.request_id, [token], [None], result)
 
     def _propose(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:
         """The next step's drafts for every request that sampled (MTP also caches its KV for every computed row)."""

@@ -1,7 +1,8 @@
 """Freed host memory kept for reuse (worker/host_memory.py): decode steps whose logits are larger than glibc's largest
 mmap threshold (32 MiB) take a page fault per 4 KiB of them each step with glibc's defaults, and next to none with
 the setting. Each mode in its own process (mallopt is process-wide), the bundled SmolLM2, 192 rows of a 49,152-token
-vocabulary: 37.7 MB of logits a step, 9,216 pages."""
+vocabulary: 37.7 MB of logits a step, 9,216 pages. The rows sample (seeded): plain greedy rows take their tokens from
+the LM head without logits (ops/csrc/head_argmax.cpp)."""
 import json
 import os
 import subprocess
@@ -17,8 +18,8 @@ torch.set_num_threads(2)
 llm = LLM(max_num_seqs=192, kv_cache_memory=64 << 20)
 engine = llm.engine
 for i in range(192):
-    engine.add_request(str(i), [1000 + i, 2000 + i, 3000 + i], SamplingParams(max_tokens=40, temperature=0,
-                                                                                ignore_eos=True))
+    engine.add_request(str(i), [1000 + i, 2000 + i, 3000 + i], SamplingParams(max_tokens=40, temperature=0.8,
+                                                                                seq_seed=i, ignore_eos=True))
 faults = []
 for _ in range(16):  # the prompts, then decode steps
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

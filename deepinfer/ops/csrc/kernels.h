@@ -20,9 +20,15 @@ QuantView quant_view(const torch::Tensor& quants, const torch::Tensor& scales, c
 // x [K] -> xq [K] int8, xd [K / 32] scales, xs [K / 16] sums of xq per 16, xt [3K / 32] d * float(sum) per 16
 // then per 32
 void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, int32_t* xs, float* xt);
-// output blocks begin..end-1 (16 columns each) of M rows: out[m * ldo + 16 * b + j]
+// output blocks begin..end-1 (16 columns each) of M rows: out[m * ldo + 16 * (b - col0) + j] (col0: the block
+// whose first column is out's column 0)
 void quant_blocks(const QuantView& w, const int8_t* xq, const float* xd, const int32_t* xs, const float* xt,
-                  int64_t M, float* out, int64_t ldo, int64_t begin, int64_t end);
+                  int64_t M, float* out, int64_t ldo, int64_t begin, int64_t end, int64_t col0 = 0);
+// x [M, K] float32 rounded by quantize_row, rows shared by the threads (the inputs of quant_blocks)
+struct QuantActs {
+  torch::Tensor xq, xd, xs, xt;
+};
+QuantActs quantize_acts(const torch::Tensor& x);
 
 // layer_ops.cpp: one row each.
 // out = x / sqrt(mean(x^2) + eps) * wo; with res: res += x first and the norm is of the sum (wo = weight + offset)

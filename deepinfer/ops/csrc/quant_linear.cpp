@@ -211,7 +211,8 @@ namespace {
 
 template <int BITS, int G, typename ST, bool AFF>
 void block_rows(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, const int8_t* xq, const float* xd,
-                const int32_t* xs, const float* xt, int64_t M, float* out, int64_t ldo, int64_t begin, int64_t end) {
+                const int32_t* xs, const float* xt, int64_t M, float* out, int64_t ldo, int64_t begin, int64_t end,
+                int64_t col0) {
   const int64_t ng = K / G;
   const int64_t qb = 16 * G * BITS / 8;
   for (int64_t b = begin; b < end; ++b) {
@@ -223,12 +224,12 @@ void block_rows(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, 
     // the same per-row sequence whatever tile it falls in.
     for (; m + kMaxTile <= M; m += kMaxTile)
       tile<kMaxTile, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16),
-                                       xt + m * (3 * K / 32), K, out + m * ldo + 16 * b, ldo);
+                                       xt + m * (3 * K / 32), K, out + m * ldo + 16 * (b - col0), ldo);
 #if defined(DI_AVX512) || defined(DI_AVX2)
     auto rest = [&](auto rows) {
       tile<decltype(rows)::value, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32),
                                                     xs + m * (K / 16), xt + m * (3 * K / 32), K,
-                                                    out + m * ldo + 16 * b, ldo);
+                                                    out + m * ldo + 16 * (b - col0), ldo);
     };
     switch (M - m) {
 #if defined(DI_AVX512)
@@ -258,20 +259,22 @@ constexpr int64_t kRowChunk = DI_ROW_CHUNK;
 
 template <int BITS, int G, typename ST, bool AFF>
 void blocks(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, const int8_t* xq, const float* xd,
-            const int32_t* xs, const float* xt, int64_t M, float* out, int64_t ldo, int64_t begin, int64_t end) {
+            const int32_t* xs, const float* xt, int64_t M, float* out, int64_t ldo, int64_t begin, int64_t end,
+            int64_t col0) {
   for (int64_t m = 0; m < M; m += kRowChunk)
     block_rows<BITS, G, ST, AFF>(q, s, o, c, K, xq + m * K, xd + m * (K / 32), xs + m * (K / 16),
-                                 xt + m * (3 * K / 32), std::min(kRowChunk, M - m), out + m * ldo, ldo, begin, end);
+                                 xt + m * (3 * K / 32), std::min(kRowChunk, M - m), out + m * ldo, ldo, begin, end,
+                                 col0);
 }
 
 template <typename ST, bool AFF>
 void blocks_of(const QuantView& w, const int8_t* xq, const float* xd, const int32_t* xs, const float* xt, int64_t M,
-               float* out, int64_t ldo, int64_t begin, int64_t end) {
+               float* out, int64_t ldo, int64_t begin, int64_t end, int64_t col0) {
   const auto* s = static_cast<const ST*>(w.scales);
   const auto* o = static_cast<const ST*>(w.offsets);
-  if (w.bits == 4 && w.group == 32) return blocks<4, 32, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end);
-  if (w.bits == 8 && w.group == 32) return blocks<8, 32, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end);
-  if (w.bits == 8 && w.group == 16) return blocks<8, 16, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end);
+  if (w.bits == 4 && w.group == 32) return blocks<4, 32, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+  if (w.bits == 8 && w.group == 32) return blocks<8, 32, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+  if (w.bits == 8 && w.group == 16) return blocks<8, 16, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
 }
 
 }  // namespace
@@ -291,14 +294,30 @@ QuantView quant_view(const torch::Tensor& quants, const torch::Tensor& scales, c
 }
 
 void quant_blocks(const QuantView& w, const int8_t* xq, const float* xd, const int32_t* xs, const float* xt,
-                  int64_t M, float* out, int64_t ldo, int64_t begin, int64_t end) {
+                  int64_t M, float* out, int64_t ldo, int64_t begin, int64_t end, int64_t col0) {
   if (w.half) {
-    if (w.affine) blocks_of<uint16_t, true>(w, xq, xd, xs, xt, M, out, ldo, begin, end);
-    else blocks_of<uint16_t, false>(w, xq, xd, xs, xt, M, out, ldo, begin, end);
+    if (w.affine) blocks_of<uint16_t, true>(w, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+    else blocks_of<uint16_t, false>(w, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
   } else {
-    if (w.affine) blocks_of<float, true>(w, xq, xd, xs, xt, M, out, ldo, begin, end);
-    else blocks_of<float, false>(w, xq, xd, xs, xt, M, out, ldo, begin, end);
+    if (w.affine) blocks_of<float, true>(w, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+    else blocks_of<float, false>(w, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
   }
+}
+
+QuantActs quantize_acts(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  QuantActs a{torch::empty({M, K}, torch::kChar), torch::empty({M, K / 32}, torch::kFloat),
+              torch::empty({M, K / 16}, torch::kInt), torch::empty({M, 3 * K / 32}, torch::kFloat)};
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = a.xq.data_ptr<int8_t>();
+  float* dp = a.xd.data_ptr<float>();
+  int32_t* sp = a.xs.data_ptr<int32_t>();
+  float* tp = a.xt.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      quantize_row(xp + m * K, K, qp + m * K, dp + m * (K / 32), sp + m * (K / 16), tp + m * (3 * K / 32));
+  });
+  return a;
 }
 
 // x [M, K] float32 -> [M, N] float32 (+ bias). offsets: an empty tensor for symmetric formats (offset = c * scale).
@@ -308,24 +327,13 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor quants, torch::Tensor 
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   const QuantView w = quant_view(quants, scales, offsets, bits, group, c, K);
-  auto xq = torch::empty({M, K}, torch::kChar);
-  auto xd = torch::empty({M, K / 32}, torch::kFloat);
-  auto xs = torch::empty({M, K / 16}, torch::kInt);
-  auto xt = torch::empty({M, 3 * K / 32}, torch::kFloat);
   auto out = torch::empty({M, w.nb * 16}, torch::kFloat);
   if (M > 0) {
-    const float* xp = x.data_ptr<float>();
-    int8_t* qp = xq.data_ptr<int8_t>();
-    float* dp = xd.data_ptr<float>();
-    int32_t* sp = xs.data_ptr<int32_t>();
-    float* tp = xt.data_ptr<float>();
-    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m)
-        quantize_row(xp + m * K, K, qp + m * K, dp + m * (K / 32), sp + m * (K / 16), tp + m * (3 * K / 32));
-    });
+    const QuantActs a = quantize_acts(x);
     float* op = out.data_ptr<float>();
     at::parallel_for(0, w.nb, 1, [&](int64_t begin, int64_t end) {
-      quant_blocks(w, qp, dp, sp, tp, M, op, w.nb * 16, begin, end);
+      quant_blocks(w, a.xq.data_ptr<int8_t>(), a.xd.data_ptr<float>(), a.xs.data_ptr<int32_t>(),
+                   a.xt.data_ptr<float>(), M, op, w.nb * 16, begin, end);
     });
   }
   if (w.nb * 16 != n) out = out.narrow(1, 0, n).contiguous();
