@@ -305,8 +305,9 @@ def _sample_in_prob_order(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> 
         subset = [rows[i] for i in without_top_k]
         id_total[without_top_k] = _cdf(_weights(_take_rows(logits, without_top_k), subset))[:, -1]
 
-    # With top-k on every row, its largest k bounds what any row can keep.
-    widths = list(_ORDER_PREFIXES) if without_top_k else [max(row.params.top_k for row in rows)]
+    # With top-k on every row, its largest k bounds what any row can keep; one entry more, because a prefix is
+    # usable only up to its entries above its last (ordered_top), so a prefix of exactly k never decides a row.
+    widths = list(_ORDER_PREFIXES) if without_top_k else [max(row.params.top_k for row in rows) + 1]
     tokens = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
     pending = list(range(len(rows)))
     for width in [w for w in widths if w < vocab] + [vocab]:

@@ -289,6 +289,34 @@ def test_results_do_not_depend_on_the_topk_prefix_length(monkeypatch):
         assert sampler(logits, rows).token_ids == default
 
 
+def test_top_k_rows_are_decided_without_sorting_the_vocabulary(monkeypatch):
+    """All rows top-k: topk's prefix of k + 1 decides them (the whole-row sort is for ties at the k-th value only);
+    the same tokens as with the whole row sorted."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 5000
+    logits = torch.randn(32, vocab, generator=gen) * 3
+    rows = [row(SamplingParams(temperature=0.8, top_k=(50, 7, 1, 200)[i % 4], top_p=(1.0, 0.9)[i % 2]), seed=i,
+                position=i) for i in range(32)]
+    sorted_widths = []
+    real_sort = torch.sort
+
+    def counting_sort(x, *args, **kwargs):
+        sorted_widths.append(x.shape[-1])
+        return real_sort(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "sort", counting_sort)
+    fast = sampler(logits, rows).token_ids
+    assert vocab not in sorted_widths
+
+    def undecided(values, k):  # no prefix is usable: every row goes on to the whole-row sort
+        top, ids, usable, complete = real_ordered_top(values, k)
+        return top, ids, torch.zeros_like(usable), torch.zeros_like(complete)
+
+    real_ordered_top = sampler_module.ordered_top
+    monkeypatch.setattr(sampler_module, "ordered_top", undecided)
+    assert sampler(logits, rows).token_ids == fast and vocab in sorted_widths
+
+
 def chi_square(tokens: list[int], probs: torch.Tensor) -> float:
     counts = torch.bincount(torch.tensor(tokens), minlength=len(probs)).double()
     expected = probs.double() * len(tokens)
