@@ -65,8 +65,10 @@ class Sampler:
     """Chooses the next token for each row of a [N, V] float32 logits tensor. `argmax`: a replacement for
     torch.argmax(x, dim=-1) with the same results (the compiled CPU ops' argmax_rows, rows in parallel)."""
 
-    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 id_order: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
         self.argmax = argmax or (lambda x: x.argmax(dim=-1))
+        self.id_order = id_order  # the compiled ops' sample_id_order (see _sample_in_id_order), or None
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         _check_inputs(logits, rows)
@@ -81,7 +83,7 @@ class Sampler:
         in_prob_order = [i for i, row in enumerate(rows) if not row.params.greedy and _needs_sort(row.params)]
         groups = (
             (greedy, lambda x, group: self.argmax(x)),
-            (in_id_order, _sample_in_id_order),
+            (in_id_order, lambda x, group: _sample_in_id_order(x, group, self.id_order)),
             (in_prob_order, _sample_in_prob_order),
         )
         for indices, pick in groups:
@@ -278,9 +280,20 @@ def _invert_cdf(cdf: torch.Tensor, total: torch.Tensor, rows: Sequence[SamplingR
     return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
 
 
-def _sample_in_id_order(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """No top-k / top-p: the inverse CDF is taken over token ids in ascending order."""
-    cdf = _cdf(_weights(logits, rows))
+def _sample_in_id_order(logits: torch.Tensor, rows: Sequence[SamplingRow],
+                        compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """No top-k / top-p: the inverse CDF is taken over token ids in ascending order. `compiled` (sample_id_order)
+    runs the same float64 sums in the same order without the [N, V] cdf; rows it leaves (-1: NaN weights) go the
+    torch way."""
+    weights = _weights(logits, rows)
+    if compiled is not None and weights.device.type == "cpu":
+        picked = compiled(weights, _uniforms(rows, weights.device))
+        left = (picked < 0).nonzero().flatten().tolist()
+        if left:
+            cdf = _cdf(weights[left])
+            picked[left] = _invert_cdf(cdf, cdf[:, -1], [rows[i] for i in left])
+        return picked
+    cdf = _cdf(weights)
     return _invert_cdf(cdf, cdf[:, -1], rows)
 
 

@@ -146,7 +146,9 @@ class ModelRunner:
         self._placement = self.layout.placement(len(specs))
         self.kv_caches = [self.slot_caches[slot] for _, slot in self._placement]  # per attention layer
         on_cpu = cpu_kernels is not None and self.device.type == "cpu"
-        self.sampler = Sampler(cpu_kernels.argmax_rows if on_cpu else None)  # greedy rows' argmax, rows in parallel
+        # greedy rows' argmax and seeded rows' inverse CDF compiled, rows in parallel
+        self.sampler = Sampler(cpu_kernels.argmax_rows if on_cpu else None,
+                               getattr(cpu_kernels, "sample_id_order", None) if on_cpu else None)
         self.kv_transfer: KVBlockTransfer | None = None  # set by the engine when a KV store is configured
         self.async_loads = False  # with a KV store: load blocks in the background (core/kv_loading.py)
         self.kv_puller: HandoffPuller | None = None  # disaggregation, decode role: pulls prompt KV from prefill engines

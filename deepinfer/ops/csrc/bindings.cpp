@@ -22,6 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention: one query per row, its own block table", nogil);
   m.def("paged_prefill", &paged_prefill, "paged attention of consecutive queries of one sequence", nogil);
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of float32 [N, V] rows, rows in parallel", nogil);
+  m.def("sample_id_order", &sample_id_order,
+        "seeded inverse-CDF sampling over token ids from float32 weights, sums in float64 (no cdf tensor)", nogil);
   m.def("quant_linear_argmax", &quant_linear_argmax,
         "argmax over the outputs of x @ dequant(W)^T per row, without the logits (an LM head's greedy token)", nogil);
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())  // one per ISA build in a process

@@ -23,6 +23,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
                             int64_t first_position, int64_t block_size, double scale, int64_t window);
 torch::Tensor argmax_rows(torch::Tensor x);
+torch::Tensor sample_id_order(torch::Tensor weights, torch::Tensor u);
 torch::Tensor quant_linear_argmax(torch::Tensor x, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
                                   int64_t bits, int64_t group, double c, int64_t n);
 
