@@ -185,7 +185,7 @@ class KVCacheManager:
         needed = self.blocks_needed(request, num_new_tokens, hit)
         if hit is None:
             return needed <= self.pool.num_free_blocks
-        touched = {b for blocks in (hit.blocks if hit else ()) for b in blocks if b >= 0}
+        touched = {b for blocks in hit.blocks for b in blocks if b >= 0}
         # Cached blocks sitting in the free queue stop being free once touched.
         return needed <= self.pool.num_free_blocks - sum(1 for b in touched if self.pool.ref_count(b) == 0)
 

@@ -217,15 +217,15 @@ class ModelRunner:
             rows = torch.tensor([r.first_row + r.num_known - 1 + i for r in sampling for i in range(1 + len(r.drafts))],
                                 device=self.device)
             # plain greedy rows only: the head's argmax straight from its weights where the model can (no logits)
-            tokens = self.model.greedy_tokens(hidden[rows]) if self._argmax_only(sampling, plan.grammar_masks) \
-                else None
+            plain = self._argmax_only(sampling, plan.grammar_masks)
+            tokens = self.model.greedy_tokens(hidden[rows]) if plain else None
             if tokens is not None:
                 clock = _lap(result, "forward", clock)  # the head and its argmax in one op
                 self._emit_argmax(sampling, tokens, result)
             else:
                 logits = self.model.compute_logits(hidden[rows])
                 clock = _lap(result, "forward", clock)
-                self._sample(sampling, logits, plan.grammar_masks, result)
+                self._sample(sampling, logits, plan.grammar_masks, result, plain)
             clock = _lap(result, "sample", clock)
         else:
             clock = _lap(result, "forward", clock)
@@ -247,11 +247,12 @@ class ModelRunner:
             result.prompt_logprobs[r.request_id] = compute_prompt_logprobs(logits, next_ids,
                                                                            state.params.prompt_logprobs)
 
-    def _sample(self, sampling: list[RequestRows], logits: torch.Tensor, masks: dict, result: StepResult) -> None:
+    def _sample(self, sampling: list[RequestRows], logits: torch.Tensor, masks: dict, result: StepResult,
+                plain: bool) -> None:
         """Plain rows and greedy requests' draft rows through the sampler in one call (a greedy request accepts its
         drafts while they equal the argmax); other requests with drafts through verification. A step of plain greedy
         rows only (the common case) takes the argmax straight away: what the sampler computes for them."""
-        if self._argmax_only(sampling, masks):
+        if plain:  # every row plain greedy (_argmax_only)
             self._emit_argmax(sampling, self.sampler.argmax(logits), result)
             return
         offsets = np.cumsum([0] + [1 + len(r.drafts) for r in sampling])
