@@ -1,7 +1,9 @@
 """The sampler alone on a batch of logits the size of SmolLM2's vocabulary: milliseconds a call per sampling setting,
-the torch path against the compiled ops (argmax_rows, sample_id_order), the same tokens checked.
+the torch path against the compiled ops (argmax_rows, sample_id_order; for top-k / top-p rows sort_descending,
+sample_sorted, row_sums), the same tokens checked. --scale sets how peaked the rows are (flat rows' nucleus reaches
+past topk's prefixes into the whole-row sort).
 
-    python benchmarks/sampler.py --batch 64 --vocab 49152
+    python benchmarks/sampler.py --batch 64 --vocab 49152 [--scale 1.0]
 """
 from __future__ import annotations
 
@@ -38,12 +40,14 @@ def main(argv: list[str] | None = None) -> None:
     from deepinfer import SamplingParams
     from deepinfer.ops import cpu_ops
     from deepinfer.sample import Sampler, SamplingRow
+    from deepinfer.sample.prob_order import ProbOrderOps
 
     torch.set_num_threads(args.threads)
     kernels = cpu_ops.load()
     samplers = {"torch": Sampler()}
     if kernels is not None:
-        samplers["compiled"] = Sampler(kernels.argmax_rows, kernels.sample_id_order)
+        samplers["compiled"] = Sampler(kernels.argmax_rows, kernels.sample_id_order,
+                                       ProbOrderOps(kernels.sort_descending, kernels.sample_sorted, kernels.row_sums))
     logits = torch.randn(args.batch, args.vocab, generator=torch.Generator().manual_seed(0)) * args.scale
     results = []
     for name, kw in SETTINGS.items():

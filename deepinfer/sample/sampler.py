@@ -13,38 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.sample import rng
-from deepinfer.sample.logprobs import logprob_dicts, ordered_top
-from deepinfer.sample.penalties import PenaltyState
+from deepinfer.sample.logprobs import logprob_dicts
+from deepinfer.sample.prob_order import ProbOrderOps, sample_in_prob_order
+from deepinfer.sample.rows import SamplingRow, _cdf, _invert_cdf, _take_rows, _uniforms, _weights
 from deepinfer.sampling_params import SamplingParams
-
-# Prefix lengths of the (logit descending, id ascending) order that topk tries
-# for top-p rows, before falling back to sorting the whole vocabulary.
-_ORDER_PREFIXES = (64, 1024, 8192)
-
-
-@dataclass(frozen=True)
-class SamplingRow:
-    """What the sampler needs to know about one logits row.
-
-    ``eos_token_ids`` and ``params.stop_token_ids`` get logit -inf while fewer than
-    ``params.min_tokens`` tokens have been generated, even with ``ignore_eos`` and
-    even where ``allowed_token_mask`` allows them: min_tokens always wins.
-    ``allowed_token_mask`` (bool [V], structured output) sets disallowed tokens
-    to -inf after penalties and before temperature / min_p / top-k / top-p, for
-    greedy rows too.
-    """
-
-    params: SamplingParams
-    seed: int  # resolved per-request seed: seq_seed, or one the engine chose at arrival
-    position: int  # index of the output token being drawn (0 = first generated token)
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # generated so far, for penalties and min_tokens
-    eos_token_ids: frozenset[int]
-    allowed_token_mask: torch.Tensor | None = None
-    # the same tokens kept as penalties read them (sample/penalties.py); None: read from the two lists above
-    penalty_state: PenaltyState | None = None
-
 
 @dataclass
 class SamplerOutput:
@@ -63,12 +35,15 @@ class SamplerOutput:
 
 class Sampler:
     """Chooses the next token for each row of a [N, V] float32 logits tensor. `argmax`: a replacement for
-    torch.argmax(x, dim=-1) with the same results (the compiled CPU ops' argmax_rows, rows in parallel)."""
+    torch.argmax(x, dim=-1) with the same results (the compiled CPU ops' argmax_rows, rows in parallel);
+    `prob_order`: the compiled ops for top-k / top-p rows (ProbOrderOps)."""
 
     def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 id_order: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+                 id_order: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 prob_order: ProbOrderOps | None = None) -> None:
         self.argmax = argmax or (lambda x: x.argmax(dim=-1))
         self.id_order = id_order  # the compiled ops' sample_id_order (see _sample_in_id_order), or None
+        self.prob_order = prob_order
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         _check_inputs(logits, rows)
@@ -84,7 +59,7 @@ class Sampler:
         groups = (
             (greedy, lambda x, group: self.argmax(x)),
             (in_id_order, lambda x, group: _sample_in_id_order(x, group, self.id_order)),
-            (in_prob_order, _sample_in_prob_order),
+            (in_prob_order, lambda x, group: sample_in_prob_order(x, group, self.prob_order)),
         )
         for indices, pick in groups:
             if indices:
@@ -132,17 +107,6 @@ def _suppresses_stops(row: SamplingRow, vocab: int) -> bool:
 
 def _needs_sort(p: SamplingParams) -> bool:
     return p.top_k > 0 or p.top_p < 1.0
-
-
-def _take_rows(x: torch.Tensor, indices: list[int]) -> torch.Tensor:
-    if len(indices) == x.shape[0]:  # indices are ascending and distinct, so this is every row in order
-        return x
-    return x[torch.tensor(indices, device=x.device)]
-
-
-def _row_values(rows: Sequence[SamplingRow], get: Callable[[SamplingRow], float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A [len(rows), 1] column of one per-row parameter."""
-    return torch.tensor([get(row) for row in rows], dtype=dtype, device=device).unsqueeze(1)
 
 
 # ---- logits processing: penalties, min_tokens, structured-output masks ----
@@ -243,43 +207,6 @@ def _flat_positions(sequences: Sequence[tuple[int, Sequence[int]]], vocab: int, 
 # ---- sampling ----
 
 
-def _uniforms(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
-    return torch.tensor([rng.uniform(row.seed, row.position) for row in rows], dtype=torch.float64, device=device)
-
-
-def _weights(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Unnormalized probabilities after temperature and min_p, scaled so the largest is 1.
-
-    min_p drops tokens whose probability is below min_p times the largest one,
-    which with this scaling is a comparison against min_p itself.
-    """
-    temperature = _row_values(rows, lambda r: r.params.temperature, logits.dtype, logits.device)
-    weights = logits / temperature  # a fresh tensor, so the rest can work in place
-    weights.sub_(weights.amax(dim=-1, keepdim=True)).exp_()
-    if any(row.params.min_p > 0.0 for row in rows):
-        min_p = _row_values(rows, lambda r: r.params.min_p, weights.dtype, weights.device)
-        weights.masked_fill_(weights < min_p, 0.0)
-    return weights
-
-
-def _cdf(weights: torch.Tensor) -> torch.Tensor:
-    # float64 so that tokens far below the running total still move it; torch's
-    # CPU cumsum adds each row sequentially, so the order is fixed per row.
-    return weights.to(torch.float64, copy=True).cumsum_(dim=-1)
-
-
-def _invert_cdf(cdf: torch.Tensor, total: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Index of the first entry of each (non-decreasing) ``cdf`` row above u * total.
-
-    An entry with zero weight never qualifies before the positive one it follows,
-    so the result always has positive weight. u < 1, but u * total can round up
-    to total, so the target is kept strictly below it.
-    """
-    below_total = torch.nextafter(total, torch.zeros_like(total))
-    target = torch.minimum(_uniforms(rows, cdf.device) * total, below_total)
-    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
-
-
 def _sample_in_id_order(logits: torch.Tensor, rows: Sequence[SamplingRow],
                         compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """No top-k / top-p: the inverse CDF is taken over token ids in ascending order. `compiled` (sample_id_order)
@@ -295,78 +222,6 @@ def _sample_in_id_order(logits: torch.Tensor, rows: Sequence[SamplingRow],
         return picked
     cdf = _cdf(weights)
     return _invert_cdf(cdf, cdf[:, -1], rows)
-
-
-def _sample_in_prob_order(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """top-k / top-p over tokens ordered by (logit descending, id ascending).
-
-    Ordering by the processed logits rather than the probabilities matches
-    greedy, so top_k=1 is exactly greedy even where temperature rounds two
-    probabilities to the same float. top-p keeps the shortest prefix whose mass
-    reaches top_p of the mass left by min_p and top-k (without top-k: the
-    id-order total, which needs no sort), always at least one token.
-
-    Sorting the whole vocabulary is slow, so each row first tries prefixes of
-    the order found by topk; only rows whose decision reaches past them are
-    sorted in full. All give bit-identical results, since a prefix holds the
-    same tokens in the same order and the sums run in the same order.
-    """
-    vocab = logits.shape[1]
-    id_total = torch.zeros(len(rows), dtype=torch.float64, device=logits.device)
-    without_top_k = [i for i, row in enumerate(rows) if row.params.top_k == 0]
-    if without_top_k:
-        subset = [rows[i] for i in without_top_k]
-        id_total[without_top_k] = _cdf(_weights(_take_rows(logits, without_top_k), subset))[:, -1]
-
-    # With top-k on every row, its largest k bounds what any row can keep; one entry more, because a prefix is
-    # usable only up to its entries above its last (ordered_top), so a prefix of exactly k never decides a row.
-    widths = list(_ORDER_PREFIXES) if without_top_k else [max(row.params.top_k for row in rows) + 1]
-    tokens = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
-    pending = list(range(len(rows)))
-    for width in [w for w in widths if w < vocab] + [vocab]:
-        group = [rows[i] for i in pending]
-        x = _take_rows(logits, pending)
-        if width < vocab:
-            ordered = ordered_top(x, width)
-        else:
-            sorted_logits, order = torch.sort(x, dim=-1, descending=True, stable=True)
-            everything = torch.ones(len(pending), dtype=torch.bool, device=logits.device)
-            ordered = (sorted_logits, order, torch.full((len(pending),), vocab, device=logits.device), everything)
-        picked, decided = _sample_sorted(*ordered, id_total[pending], group)
-        done = decided.tolist()
-        tokens[[i for i, d in zip(pending, done) if d]] = picked[decided]
-        pending = [i for i, d in zip(pending, done) if not d]
-        if not pending:
-            break
-    return tokens
-
-
-def _sample_sorted(
-    sorted_logits: torch.Tensor,
-    sorted_ids: torch.Tensor,
-    usable: torch.Tensor,
-    complete: torch.Tensor,
-    id_total: torch.Tensor,
-    rows: Sequence[SamplingRow],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample from the start of the sorted order: (token ids, whether each row's
-    top-k / top-p decision falls within its ``usable`` entries)."""
-    width = sorted_logits.shape[1]
-    top_k = _row_values(rows, lambda r: r.params.top_k, torch.long, sorted_logits.device).squeeze(1)
-    top_p = _row_values(rows, lambda r: r.params.top_p, torch.float64, sorted_logits.device)
-    limit = torch.where(top_k > 0, torch.minimum(top_k, usable), usable)
-    ranks = torch.arange(width, device=sorted_logits.device)
-    cdf = _cdf(_weights(sorted_logits, rows).masked_fill(ranks >= limit.unsqueeze(1), 0.0))
-    top_k_total = cdf.gather(1, (top_k.clamp(1, width) - 1).unsqueeze(1)).squeeze(1)
-    total = torch.where(top_k > 0, top_k_total, id_total)
-    mass_before = torch.nn.functional.pad(cdf[:, :-1], (1, 0))
-    num_kept = (mass_before < top_p * total.unsqueeze(1)).sum(dim=-1).clamp(min=1)
-    kept_total = cdf.gather(1, (num_kept - 1).unsqueeze(1)).squeeze(1)
-    # Rows left undecided may have no mass in their prefix; clamp so their
-    # (discarded) pick stays in bounds.
-    picked = _invert_cdf(cdf, kept_total, rows).clamp(max=width - 1)
-    reached = torch.where(top_k > 0, top_k <= usable, cdf[:, -1] >= top_p.squeeze(1) * total)
-    return sorted_ids.gather(1, picked.unsqueeze(1)).squeeze(1), complete | reached
 
 
 # ---- logprobs ----

@@ -15,6 +15,7 @@ from deepinfer.core.plan import StepPlan, StepResult
 from deepinfer.layers.context import ForwardContext, forward_context
 from deepinfer.sample.logprobs import compute_prompt_logprobs
 from deepinfer.sample.penalties import PenaltyState
+from deepinfer.sample.prob_order import ProbOrderOps
 from deepinfer.sample.sampler import Sampler, SamplingRow, has_penalties, plain_greedy_params
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.worker.decode_batch import DecodeBatch
@@ -146,9 +147,11 @@ class ModelRunner:
         self._placement = self.layout.placement(len(specs))
         self.kv_caches = [self.slot_caches[slot] for _, slot in self._placement]  # per attention layer
         on_cpu = cpu_kernels is not None and self.device.type == "cpu"
-        # greedy rows' argmax and seeded rows' inverse CDF compiled, rows in parallel
+        # greedy rows' argmax, seeded rows' inverse CDF, top-k / top-p rows' sort and decision compiled, rows in
+        # parallel
         self.sampler = Sampler(cpu_kernels.argmax_rows if on_cpu else None,
-                               getattr(cpu_kernels, "sample_id_order", None) if on_cpu else None)
+                               cpu_kernels.sample_id_order if on_cpu else None,
+                               ProbOrderOps(cpu_kernels.sort_descending, cpu_kernels.sample_sorted, cpu_kernels.row_sums) if on_cpu else None)
         self.kv_transfer: KVBlockTransfer | None = None  # set by the engine when a KV store is configured
         self.async_loads = False  # with a KV store: load blocks in the background (core/kv_loading.py)
         self.kv_puller: HandoffPuller | None = None  # disaggregation, decode role: pulls prompt KV from prefill engines

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from deepinfer.sample import Sampler, SamplingRow, compute_prompt_logprobs
 from deepinfer.sample import rng
-from deepinfer.sample import sampler as sampler_module
+from deepinfer.sample import prob_order as prob_order_module
 from deepinfer.sampling_params import SamplingParams
 
 sampler = Sampler()
@@ -266,9 +266,9 @@ def test_wide_nucleus_and_wide_ties_reach_past_the_topk_prefix():
     flat = torch.linspace(0.0, 1.0, vocab).flip(0)  # probabilities fall slowly with the id
     probs = torch.softmax(flat, dim=-1)
     nucleus = int((torch.cumsum(probs, 0) - probs < 0.9).sum())
-    assert nucleus > max(sampler_module._ORDER_PREFIXES)
+    assert nucleus > max(prob_order_module._ORDER_PREFIXES)
     tokens = draws(flat.tolist(), SamplingParams(top_p=0.9), range(40))
-    assert max(tokens) < nucleus and max(tokens) > max(sampler_module._ORDER_PREFIXES)
+    assert max(tokens) < nucleus and max(tokens) > max(prob_order_module._ORDER_PREFIXES)
 
     tied = [0.0] * 1000 + [1.0] * 9000 + [0.5] * 2000  # 9000 tokens tied at the top
     assert set(draws(tied, SamplingParams(top_k=1), range(5))) == {1000}
@@ -285,7 +285,7 @@ def test_results_do_not_depend_on_the_topk_prefix_length(monkeypatch):
     rows = [row(params[i % 3], seed=i, position=i) for i in range(48)]
     default = sampler(logits, rows).token_ids
     for prefixes in ((1,), (16, 64), (3000,)):
-        monkeypatch.setattr(sampler_module, "_ORDER_PREFIXES", prefixes)
+        monkeypatch.setattr(prob_order_module, "_ORDER_PREFIXES", prefixes)
         assert sampler(logits, rows).token_ids == default
 
 
@@ -312,8 +312,8 @@ def test_top_k_rows_are_decided_without_sorting_the_vocabulary(monkeypatch):
         top, ids, usable, complete = real_ordered_top(values, k)
         return top, ids, torch.zeros_like(usable), torch.zeros_like(complete)
 
-    real_ordered_top = sampler_module.ordered_top
-    monkeypatch.setattr(sampler_module, "ordered_top", undecided)
+    real_ordered_top = prob_order_module.ordered_top
+    monkeypatch.setattr(prob_order_module, "ordered_top", undecided)
     assert sampler(logits, rows).token_ids == fast and vocab in sorted_widths
 
 

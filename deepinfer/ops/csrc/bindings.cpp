@@ -24,6 +24,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of float32 [N, V] rows, rows in parallel", nogil);
   m.def("sample_id_order", &sample_id_order,
         "seeded inverse-CDF sampling over token ids from float32 weights, sums in float64 (no cdf tensor)", nogil);
+  m.def("sort_descending", &sort_descending,
+        "torch.sort(x, dim=-1, descending=True, stable=True) of float32 [N, V] rows by radix sort, rows in parallel",
+        nogil);
+  m.def("row_sums", &row_sums, "each float32 row's sum in float64, added in id order (cumsum's last entry)", nogil);
+  m.def("sample_sorted", &sample_sorted,
+        "top-k / top-p sampling on rows in probability order, sums in float64 (no cdf tensor)", nogil);
   m.def("quant_linear_argmax", &quant_linear_argmax,
         "argmax over the outputs of x @ dequant(W)^T per row, without the logits (an LM head's greedy token)", nogil);
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())  // one per ISA build in a process

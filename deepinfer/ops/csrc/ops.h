@@ -4,6 +4,7 @@
 #include "aten.h"
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels.h"
@@ -24,6 +25,11 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
                             int64_t first_position, int64_t block_size, double scale, int64_t window);
 torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor sample_id_order(torch::Tensor weights, torch::Tensor u);
+std::tuple<torch::Tensor, torch::Tensor> sort_descending(torch::Tensor x);
+torch::Tensor row_sums(torch::Tensor weights);
+std::tuple<torch::Tensor, torch::Tensor> sample_sorted(torch::Tensor weights, torch::Tensor limit, torch::Tensor top_k,
+                                                       torch::Tensor top_p, torch::Tensor id_total, torch::Tensor u,
+                                                       torch::Tensor usable, torch::Tensor complete);
 torch::Tensor quant_linear_argmax(torch::Tensor x, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
                                   int64_t bits, int64_t group, double c, int64_t n);
 
