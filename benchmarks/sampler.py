@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     samplers = {"torch": Sampler()}
     if kernels is not None:
         samplers["compiled"] = Sampler(kernels.argmax_rows, kernels.sample_id_order,
-                                       ProbOrderOps(kernels.sort_descending, kernels.sample_sorted, kernels.row_sums))
+                                       ProbOrderOps.of(kernels))
     logits = torch.randn(args.batch, args.vocab, generator=torch.Generator().manual_seed(0)) * args.scale
     results = []
     for name, kw in SETTINGS.items():

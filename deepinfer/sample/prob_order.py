@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -19,12 +20,17 @@ _ORDER_PREFIXES_BEFORE_RADIX = (64,)
 
 @dataclass(frozen=True)
 class ProbOrderOps:
-    """Compiled ops for rows in probability order (the CPU ops' sort_descending, sample_sorted and row_sums): the
-    same results as the torch calls they replace."""
+    """Compiled ops for rows in probability order (the CPU ops' sort_descending, sample_sorted, row_sums and
+    ordered_prefix): the same results as the torch calls they replace."""
 
     sort: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     decide: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     totals: Callable[[torch.Tensor], torch.Tensor]
+    prefix: Callable[[torch.Tensor, int], Sequence[torch.Tensor]]
+
+    @classmethod
+    def of(cls, kernels: ModuleType) -> ProbOrderOps:
+        return cls(kernels.sort_descending, kernels.sample_sorted, kernels.row_sums, kernels.ordered_prefix)
 
 
 def sample_in_prob_order(logits: torch.Tensor, rows: Sequence[SamplingRow],
@@ -64,7 +70,7 @@ def sample_in_prob_order(logits: torch.Tensor, rows: Sequence[SamplingRow],
         group = [rows[i] for i in pending]
         x = _take_rows(logits, pending)
         if width < vocab:
-            ordered = ordered_top(x, width)
+            ordered = ops.prefix(x, width) if compiled else ordered_top(x, width)
         else:
             sorted_logits, order = (ops.sort(x) if compiled
                                     else torch.sort(x, dim=-1, descending=True, stable=True))

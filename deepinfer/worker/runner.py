@@ -151,7 +151,7 @@ class ModelRunner:
         # parallel
         self.sampler = Sampler(cpu_kernels.argmax_rows if on_cpu else None,
                                cpu_kernels.sample_id_order if on_cpu else None,
-                               ProbOrderOps(cpu_kernels.sort_descending, cpu_kernels.sample_sorted, cpu_kernels.row_sums) if on_cpu else None)
+                               ProbOrderOps.of(cpu_kernels) if on_cpu else None)
         self.kv_transfer: KVBlockTransfer | None = None  # set by the engine when a KV store is configured
         self.async_loads = False  # with a KV store: load blocks in the background (core/kv_loading.py)
         self.kv_puller: HandoffPuller | None = None  # disaggregation, decode role: pulls prompt KV from prefill engines

@@ -9,6 +9,7 @@ import torch
 from deepinfer import SamplingParams
 from deepinfer.sample import Sampler, SamplingRow
 from deepinfer.sample import prob_order
+from deepinfer.sample.logprobs import ordered_top
 from deepinfer.sample.prob_order import ProbOrderOps
 
 
@@ -32,6 +33,34 @@ def test_sort_descending_is_torch_sort_stable_descending(kernels, rows, vocab):
     assert torch.equal(values.view(torch.int32), want_values.view(torch.int32))  # NaN payloads and -0 too
 
 
+@pytest.mark.parametrize("rows,vocab,k", [(1, 1, 1), (3, 7, 3), (5, 300, 64), (9, 4099, 64), (8, 49152, 64),
+                                          (4, 20000, 1024), (2, 1000, 1000)])
+@pytest.mark.parametrize("values", ["normal", "ties", "ascending", "nan and -inf"])
+def test_ordered_prefix_is_the_sorted_orders_first_k_and_ordered_tops_contract(kernels, rows, vocab, k, values):
+    """ordered_prefix gives the first k entries of the stable descending sort (ids and values bit for bit), and
+    ordered_top's usable / complete; where topk chose other ids among ties with the k-th value, the usable entries
+    agree."""
+    gen = torch.Generator().manual_seed(vocab + k)
+    x = torch.randn(rows, vocab, generator=gen) * 3
+    if values == "ties":
+        x = x.round()
+    elif values == "ascending":  # every entry beats the k-th so far: the kept entries are cut back again and again
+        x = torch.arange(vocab, dtype=torch.float32).repeat(rows, 1)
+    elif values == "nan and -inf" and vocab > 10:
+        x[0, 3] = float("nan")
+        x[-1, : vocab // 2] = -float("inf")
+        x[-1, -5:] = -0.0
+    top, ids, usable, complete = kernels.ordered_prefix(x, k)
+    want_values, want_ids = torch.sort(x, dim=-1, descending=True, stable=True)
+    assert torch.equal(ids, want_ids[:, :k])
+    assert torch.equal(top.view(torch.int32), want_values[:, :k].view(torch.int32))
+    t_top, t_ids, t_usable, t_complete = ordered_top(x, k)
+    assert torch.equal(usable, t_usable) and torch.equal(complete, t_complete)
+    for r in range(rows):
+        u = int(usable[r])
+        assert torch.equal(ids[r, :u], t_ids[r, :u])
+
+
 SETTINGS = [
     SamplingParams(temperature=0.8, top_p=0.95),
     SamplingParams(temperature=1.0, top_p=0.5),
@@ -49,7 +78,7 @@ def test_sampler_with_compiled_prob_order_gives_the_torch_paths_tokens(kernels, 
         monkeypatch.setattr(prob_order, "_ORDER_PREFIXES_BEFORE_RADIX", prefixes)
     gen = torch.Generator().manual_seed(5)
     torch_path = Sampler()
-    compiled = Sampler(prob_order=ProbOrderOps(kernels.sort_descending, kernels.sample_sorted, kernels.row_sums))
+    compiled = Sampler(prob_order=ProbOrderOps.of(kernels))
     for vocab in (2, 300, 5000, 49152):
         for scale in (0.05, 1.0, 3.0, 12.0):  # flat rows' nucleus reaches past any prefix
             logits = torch.randn(21, vocab, generator=gen) * scale
@@ -74,7 +103,7 @@ def test_rows_with_nan_weights_go_the_torch_way(kernels):
                                           torch.full((4,), 0.5, dtype=torch.float64), n,
                                           torch.ones(4, dtype=torch.bool))
     assert pick[2] == -1 and (pick[[0, 1, 3]] >= 0).all() and decided.all()
-    compiled = Sampler(prob_order=ProbOrderOps(kernels.sort_descending, kernels.sample_sorted, kernels.row_sums))
+    compiled = Sampler(prob_order=ProbOrderOps.of(kernels))
     assert compiled(logits, rows).token_ids == Sampler()(logits, rows).token_ids
 
 

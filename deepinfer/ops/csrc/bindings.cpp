@@ -27,6 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sort_descending", &sort_descending,
         "torch.sort(x, dim=-1, descending=True, stable=True) of float32 [N, V] rows by radix sort, rows in parallel",
         nogil);
+  m.def("ordered_prefix", &ordered_prefix,
+        "the first k entries of each float32 row in (value descending, id ascending) order, as ordered_top", nogil);
   m.def("row_sums", &row_sums, "each float32 row's sum in float64, added in id order (cumsum's last entry)", nogil);
   m.def("sample_sorted", &sample_sorted,
         "top-k / top-p sampling on rows in probability order, sums in float64 (no cdf tensor)", nogil);

@@ -27,6 +27,7 @@ torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor sample_id_order(torch::Tensor weights, torch::Tensor u);
 std::tuple<torch::Tensor, torch::Tensor> sort_descending(torch::Tensor x);
 torch::Tensor row_sums(torch::Tensor weights);
+std::vector<torch::Tensor> ordered_prefix(torch::Tensor x, int64_t k);
 std::tuple<torch::Tensor, torch::Tensor> sample_sorted(torch::Tensor weights, torch::Tensor limit, torch::Tensor top_k,
                                                        torch::Tensor top_p, torch::Tensor id_total, torch::Tensor u,
                                                        torch::Tensor usable, torch::Tensor complete);

@@ -7,6 +7,9 @@
 #include <cstring>
 #include <tuple>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "argmax_scan.h"
 #include "ops.h"
@@ -234,4 +237,85 @@ torch::Tensor row_sums(torch::Tensor weights) {
     }
   });
   return out;
+}
+
+// The first k entries of each row in (value descending, id ascending) order, as sort_descending orders them (NaN
+// first, -0 tied with +0), without sorting the row: ids are scanned in ascending order, 16 keys at a time compared
+// with the k-th best key so far (an entry tied with it comes later, so it is worse), the few that pass collected
+// and cut back to the best k whenever 4k pile up. Returns (values [N, k], ids [N, k], usable [N], complete [N]) as
+// logprobs.py's ordered_top defines them: usable = the entries above the k-th value (k when complete), complete =
+// the k-th value is -inf or k == V. Where topk chooses among entries tied with the k-th, this takes the lowest ids;
+// the sampler reads only the usable entries, so its tokens are the same.
+static void top_row(const float* x, int64_t V, int64_t k, float* values, int64_t* ids, std::vector<uint64_t>& kept) {
+  const size_t cap = 4 * (size_t)k;
+  kept.clear();
+  uint32_t bound = 0xFFFFFFFFu;  // entries must have a key below it once k are kept
+  bool bounded = false;
+  auto keep = [&](uint32_t key, int64_t i) {
+    kept.push_back((uint64_t)key << 32 | (uint64_t)i);
+    if (kept.size() == cap) {
+      std::nth_element(kept.begin(), kept.begin() + (k - 1), kept.end());
+      kept.resize(k);
+      bound = (uint32_t)(*std::max_element(kept.begin(), kept.end()) >> 32);
+      bounded = true;
+    }
+  };
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512i top = _mm512_set1_epi32((int)0x80000000u), magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+  for (; i + 16 <= V; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    __m512i b = _mm512_castps_si512(v);
+    b = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(b, magnitude), b);  // -0 as +0
+    const __m512i ascending = _mm512_xor_si512(b, _mm512_or_si512(_mm512_srai_epi32(b, 31), top));
+    const __m512i key = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q),  // NaN: key 0
+                                               _mm512_xor_si512(ascending, _mm512_set1_epi32(-1)));
+    __mmask16 pass = bounded ? _mm512_cmplt_epu32_mask(key, _mm512_set1_epi32((int)bound)) : (__mmask16)0xFFFF;
+    if (!pass) continue;
+    alignas(64) uint32_t keys[16];
+    _mm512_store_si512(keys, key);
+    for (int l = 0; l < 16; ++l)
+      if ((pass >> l) & 1 && (!bounded || keys[l] < bound)) keep(keys[l], i + l);
+  }
+#endif
+  for (; i < V; ++i) {
+    const uint32_t key = descending_key(x[i]);
+    if (!bounded || key < bound) keep(key, i);
+  }
+  const size_t n = std::min(kept.size(), (size_t)k);
+  std::partial_sort(kept.begin(), kept.begin() + n, kept.end());
+  for (size_t j = 0; j < n; ++j) {
+    ids[j] = (int64_t)(uint32_t)kept[j];
+    values[j] = x[ids[j]];
+  }
+}
+
+std::vector<torch::Tensor> ordered_prefix(torch::Tensor x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && k >= 1 && k <= x.size(1) &&
+                  x.size(1) < ((int64_t)1 << 31),
+              "ordered_prefix: float32 [N, V] with 1 <= k <= V < 2^31");
+  x = x.contiguous();
+  const int64_t N = x.size(0), V = x.size(1);
+  auto values = torch::empty({N, k}, x.options());
+  auto ids = torch::empty({N, k}, x.options().dtype(torch::kLong));
+  auto usable = torch::empty({N}, x.options().dtype(torch::kLong));
+  auto complete = torch::empty({N}, x.options().dtype(torch::kBool));
+  const float* xp = x.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  int64_t *ip = ids.data_ptr<int64_t>(), *up = usable.data_ptr<int64_t>();
+  bool* cp = complete.data_ptr<bool>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint64_t> kept;
+    kept.reserve(4 * (size_t)k);
+    for (int64_t n = begin; n < end; ++n) {
+      float* v = vp + n * k;
+      top_row(xp + n * V, V, k, v, ip + n * k, kept);
+      const float kth = v[k - 1];
+      cp[n] = (std::isinf(kth) && kth < 0) || k == V;
+      int64_t above = 0;
+      for (int64_t j = 0; j < k; ++j) above += v[j] > kth;
+      up[n] = cp[n] ? k : above;
+    }
+  });
+  return {values, ids, usable, complete};
 }
