@@ -13,9 +13,13 @@ from deepinfer.sample.logprobs import ordered_top
 from deepinfer.sample.rows import SamplingRow, _cdf, _invert_cdf, _row_values, _take_rows, _uniforms, _weights
 
 # Prefix lengths of the (logit descending, id ascending) order that topk tries
-# for top-p rows, before falling back to sorting the whole vocabulary.
+# for top-p rows, before falling back to sorting the whole vocabulary. With the
+# compiled ops (ordered_prefix, then the radix sort): SmolLM2 chat rows at batch
+# 64, temperature 0.8, top_p 0.95, sampler per step 7.0 / 5.9 ms with (64,),
+# 5.4 / 4.7 with (64, 1024), 5.1 / 4.6 with (64, 512, 4096); N(0, 1) rows
+# (nucleus past any prefix) 44 / 50 / 74 ms a call.
 _ORDER_PREFIXES = (64, 1024, 8192)
-_ORDER_PREFIXES_BEFORE_RADIX = (64,)
+_ORDER_PREFIXES_BEFORE_RADIX = (64, 1024)
 
 
 @dataclass(frozen=True)
