@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -35,11 +36,42 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+// Rows w[0..R) (V floats apart): each row's float64 sum, added from id 0 on; R chains of dependent adds side by side
+// (each row's own adds in its own order: the bits of one row alone), R x the throughput of one chain.
+template <int R>
+static inline void sums_of(const float* w, int64_t V, double* out) {
+  double s[R] = {};
+  for (int64_t i = 0; i < V; ++i)
+    for (int r = 0; r < R; ++r) s[r] += (double)w[r * V + i];
+  for (int r = 0; r < R; ++r) out[r] = s[r];
+}
+
+// For rows w[0..R) side by side: the first id whose running float64 sum exceeds target[r], or -1 (none, or a row
+// that is not `live`); the scans go on until every live row has its id.
+template <int R>
+static inline void firsts_above(const float* w, int64_t V, const double* target, const bool* live, int64_t* pick) {
+  double s[R] = {};
+  int left = 0;
+  for (int r = 0; r < R; ++r) {
+    pick[r] = -1;
+    left += live[r];
+  }
+  for (int64_t i = 0; i < V && left > 0; ++i)
+    for (int r = 0; r < R; ++r) {
+      s[r] += (double)w[r * V + i];
+      if (live[r] && pick[r] < 0 && s[r] > target[r]) {
+        pick[r] = i;
+        --left;
+      }
+    }
+}
+
 // Seeded sampling's inverse CDF over token ids (no top-k / top-p), for the sampler's id-order rows: with w the row's
 // weights (float32, >= 0), the cdf its float64 running sum from id 0 (the order torch's CPU cumsum adds in) and
 // total the last entry, the first id whose cdf exceeds min(u * total, nextafter(total, 0)): what searchsorted
 // (right=True) on the cumsum gives, without the [N, V] float64 cdf. -1 where total or the target is not finite
-// (NaN weights): the caller decides those rows the torch way.
+// (NaN weights): the caller decides those rows the torch way. Rows go four at a time side by side (sums_of,
+// firsts_above).
 torch::Tensor sample_id_order(torch::Tensor weights, torch::Tensor u) {
   TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == torch::kFloat, "sample_id_order: float32 [N, V] weights");
   TORCH_CHECK(u.dim() == 1 && u.scalar_type() == torch::kDouble && u.size(0) == weights.size(0),
@@ -51,25 +83,21 @@ torch::Tensor sample_id_order(torch::Tensor weights, torch::Tensor u) {
   const float* wp = weights.data_ptr<float>();
   const double* up = u.data_ptr<double>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const float* w = wp + n * V;
-      double total = 0.0;
-      for (int64_t i = 0; i < V; ++i) total += (double)w[i];
-      const double target = std::min(up[n] * total, std::nextafter(total, 0.0));
-      int64_t pick = -1;
-      if (std::isfinite(total) && std::isfinite(target)) {
-        double cdf = 0.0;
-        for (int64_t i = 0; i < V; ++i) {
-          cdf += (double)w[i];
-          if (cdf > target) {
-            pick = i;
-            break;
-          }
-        }
-      }
-      op[n] = pick;
+  auto rows = [&](auto count, int64_t n) {  // rows n..n+R-1, side by side
+    constexpr int R = decltype(count)::value;
+    double total[R], target[R];
+    bool live[R];
+    sums_of<R>(wp + n * V, V, total);
+    for (int r = 0; r < R; ++r) {
+      target[r] = std::min(up[n + r] * total[r], std::nextafter(total[r], 0.0));
+      live[r] = std::isfinite(total[r]) && std::isfinite(target[r]);
     }
+    firsts_above<R>(wp + n * V, V, target, live, op + n);
+  };
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    int64_t n = begin;
+    for (; n + 4 <= end; n += 4) rows(std::integral_constant<int, 4>{}, n);
+    for (; n < end; ++n) rows(std::integral_constant<int, 1>{}, n);
   });
   return out;
 }
@@ -219,22 +247,8 @@ torch::Tensor row_sums(torch::Tensor weights) {
   double* op = out.data_ptr<double>();
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     int64_t n = begin;
-    for (; n + 4 <= end; n += 4) {  // four rows' chains of dependent adds side by side (each row's own order)
-      const float *a = wp + n * V, *b = a + V, *c = b + V, *d = c + V;
-      double sa = 0.0, sb = 0.0, sc = 0.0, sd = 0.0;
-      for (int64_t i = 0; i < V; ++i) {
-        sa += (double)a[i];
-        sb += (double)b[i];
-        sc += (double)c[i];
-        sd += (double)d[i];
-      }
-      op[n] = sa, op[n + 1] = sb, op[n + 2] = sc, op[n + 3] = sd;
-    }
-    for (; n < end; ++n) {
-      double total = 0.0;
-      for (int64_t i = 0; i < V; ++i) total += (double)wp[n * V + i];
-      op[n] = total;
-    }
+    for (; n + 4 <= end; n += 4) sums_of<4>(wp + n * V, V, op + n);
+    for (; n < end; ++n) sums_of<1>(wp + n * V, V, op + n);
   });
   return out;
 }
