@@ -102,7 +102,6 @@ def _sample_sorted(
     top-k / top-p decision falls within its ``usable`` entries). `decide`: the
     compiled sample_sorted (the same sums in the same order, no cdf tensor);
     rows it leaves (-1: NaN weights) go the torch way."""
-    width = sorted_logits.shape[1]
     top_k = _row_values(rows, lambda r: r.params.top_k, torch.long, sorted_logits.device).squeeze(1)
     top_p = _row_values(rows, lambda r: r.params.top_p, torch.float64, sorted_logits.device)
     limit = torch.where(top_k > 0, torch.minimum(top_k, usable), usable)

@@ -200,13 +200,13 @@ std::tuple<torch::Tensor, torch::Tensor> sample_sorted(torch::Tensor weights, to
     for (int64_t n = begin; n < end; ++n) {
       const float* w = wp + n * W;
       const int64_t lim = std::min(lp[n], W), k = kp[n];
+      auto weight = [&](int64_t j) { return (double)(j < lim ? w[j] : 0.f); };  // zero from `limit` on
       const int64_t kth = std::min(std::max<int64_t>(k, 1), W) - 1;
       double cdf = 0.0, top_k_total = 0.0;
       bool nan = false;
       for (int64_t j = 0; j < W; ++j) {  // the last entry, the k-th, and whether any weight is NaN
-        const float x = j < lim ? w[j] : 0.f;
-        nan |= std::isnan(x);
-        cdf += (double)x;
+        nan |= std::isnan(weight(j));
+        cdf += weight(j);
         if (j == kth) top_k_total = cdf;
       }
       const double total = k > 0 ? top_k_total : tp[n], threshold = pp[n] * total;
@@ -215,19 +215,15 @@ std::tuple<torch::Tensor, torch::Tensor> sample_sorted(torch::Tensor weights, to
         out[n] = -1;
         continue;
       }
-      int64_t kept = 0;  // entries whose preceding mass is below the threshold
-      double before = 0.0, kept_total = 0.0;
-      while (kept < W && before < threshold) {
-        before += (double)(kept < lim ? w[kept] : 0.f);
-        ++kept;
-      }
-      kept = std::max<int64_t>(kept, 1);
-      for (int64_t j = 0; j < kept; ++j) kept_total += (double)(j < lim ? w[j] : 0.f);
+      int64_t kept = 0;  // entries whose preceding mass is below the threshold; `before` ends as cdf[kept - 1]
+      double before = 0.0;
+      while (kept < W && before < threshold) before += weight(kept++);
+      const double kept_total = kept > 0 ? before : weight(0);  // at least one entry is kept
       const double target = std::min(rp[n] * kept_total, std::nextafter(kept_total, 0.0));
       int64_t at = 0;
       double run = 0.0;
       for (; at < W; ++at) {
-        run += (double)(at < lim ? w[at] : 0.f);
+        run += weight(at);
         if (run > target) break;
       }
       out[n] = std::min(at, W - 1);
@@ -263,15 +259,15 @@ torch::Tensor row_sums(torch::Tensor weights) {
 static void top_row(const float* x, int64_t V, int64_t k, float* values, int64_t* ids, std::vector<uint64_t>& kept) {
   const size_t cap = 4 * (size_t)k;
   kept.clear();
-  uint32_t bound = 0xFFFFFFFFu;  // entries must have a key below it once k are kept
-  bool bounded = false;
+  // Entries must have a key below `bound`: the k-th best key once k are kept; before that 0xFFFFFFFF, which no key
+  // reaches (the largest, -inf's, is 0xFF800000), so every entry passes.
+  uint32_t bound = 0xFFFFFFFFu;
   auto keep = [&](uint32_t key, int64_t i) {
     kept.push_back((uint64_t)key << 32 | (uint64_t)i);
     if (kept.size() == cap) {
       std::nth_element(kept.begin(), kept.begin() + (k - 1), kept.end());
       kept.resize(k);
       bound = (uint32_t)(*std::max_element(kept.begin(), kept.end()) >> 32);
-      bounded = true;
     }
   };
   int64_t i = 0;
@@ -284,17 +280,17 @@ static void top_row(const float* x, int64_t V, int64_t k, float* values, int64_t
     const __m512i ascending = _mm512_xor_si512(b, _mm512_or_si512(_mm512_srai_epi32(b, 31), top));
     const __m512i key = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q),  // NaN: key 0
                                                _mm512_xor_si512(ascending, _mm512_set1_epi32(-1)));
-    __mmask16 pass = bounded ? _mm512_cmplt_epu32_mask(key, _mm512_set1_epi32((int)bound)) : (__mmask16)0xFFFF;
+    const __mmask16 pass = _mm512_cmplt_epu32_mask(key, _mm512_set1_epi32((int)bound));
     if (!pass) continue;
     alignas(64) uint32_t keys[16];
     _mm512_store_si512(keys, key);
-    for (int l = 0; l < 16; ++l)
-      if ((pass >> l) & 1 && (!bounded || keys[l] < bound)) keep(keys[l], i + l);
+    for (int l = 0; l < 16; ++l)  // the bound may fall within the 16
+      if ((pass >> l) & 1 && keys[l] < bound) keep(keys[l], i + l);
   }
 #endif
   for (; i < V; ++i) {
     const uint32_t key = descending_key(x[i]);
-    if (!bounded || key < bound) keep(key, i);
+    if (key < bound) keep(key, i);
   }
   const size_t n = std::min(kept.size(), (size_t)k);
   std::partial_sort(kept.begin(), kept.begin() + n, kept.end());
