@@ -147,7 +147,7 @@ def test_raise_on_error_raises_as_vllm_does_and_runs_nothing(tiny):
     assert not llm.engine.has_unfinished_requests()  # the prompts queued before the bad one were aborted
     with pytest.raises(ValueError, match="vocabulary"):
         llm.generate([[10**9]], use_tqdm=False)
-    out = llm.generate(["fine"], SamplingParams(max_tokens=2), use_tqdm=False)
+    out = llm.generate(["fine"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert out[0].error is None and len(out[0].outputs[0].token_ids) == 2
 
 
