@@ -14,7 +14,8 @@ def kernel(kernels):
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, None), (4, 1, 256, 40), (8, 8, 128, None),
-                                                        (6, 2, 64, 17)])
+                                                        (6, 2, 64, 17), (8, 1, 256, None), (2, 2, 256, None),
+                                                        (16, 2, 128, 17)])  # value sweeps of 2, 8 and 2 pieces
 def test_kernel_matches_the_torch_path(kernel, heads, kv_heads, dim, window):
     gen = torch.Generator().manual_seed(heads * dim)
     num_blocks = 128
@@ -31,7 +32,8 @@ def test_kernel_matches_the_torch_path(kernel, heads, kv_heads, dim, window):
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, None), (4, 1, 256, 40), (6, 2, 128, 17),
-                                                     (14, 2, 64, None)])  # 7 query heads a KV head (Qwen2 7B)
+                                                     (14, 2, 64, None),  # 7 query heads a KV head (Qwen2 7B)
+                                                     (8, 1, 256, 40)])  # accumulators swept in pieces
 def test_bfloat16_cache_matches_float32_attention_over_the_same_values(kernels, heads, kv_heads, dim, window):
     """A bfloat16 cache is read as the float32 values it holds: a float32 cache holding those values gives the same
     result to float rounding (the compiler may order a vectorized dot product differently for the two types), and

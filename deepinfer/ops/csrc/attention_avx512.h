@@ -42,21 +42,24 @@ __attribute__((always_inline)) static inline float softmax_segment16(float* __re
   return rescale;
 }
 
-// One cached row as DIM / 16 registers of float32 (a bfloat16 or float8 row widened on the way in).
-template <int DIM>
-static inline void load_row(const float* row, __m512* out) {
-  for (int c = 0; c < DIM / 16; ++c) out[c] = _mm512_loadu_ps(row + 16 * c);
+// N consecutive 16-value pieces of one cached row as N registers of float32 (a bfloat16 or float8 row widened on
+// the way in); load_row: the whole row, DIM / 16 pieces.
+template <int N>
+static inline void load_pieces(const float* row, __m512* out) {
+  for (int c = 0; c < N; ++c) out[c] = _mm512_loadu_ps(row + 16 * c);
 }
-template <int DIM>
-static inline void load_row(const uint16_t* row, __m512* out) {
-  for (int c = 0; c < DIM / 16; ++c)
+template <int N>
+static inline void load_pieces(const uint16_t* row, __m512* out) {
+  for (int c = 0; c < N; ++c)
     out[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))), 16));
 }
-template <int DIM>
-static inline void load_row(const uint8_t* row, __m512* out) {
-  for (int c = 0; c < DIM / 16; ++c) out[c] = fp8_widen16(row + 16 * c);
+template <int N>
+static inline void load_pieces(const uint8_t* row, __m512* out) {
+  for (int c = 0; c < N; ++c) out[c] = fp8_widen16(row + 16 * c);
 }
+template <int DIM, typename KV>
+static inline void load_row(const KV* row, __m512* out) { load_pieces<DIM / 16>(row, out); }
 
 // The 16 horizontal sums of v[0..16) as one register: lane i = v[i][0] + ... + v[i][15], by a tree of in-lane
 // unpacks and 128-bit lane shuffles (~2 shuffles and 1 add per key instead of 4 and 4 for one reduction per key).
@@ -94,15 +97,27 @@ static inline void segment_scores(const float* __restrict__ qh, const KV* __rest
       for (int c = 0; c < C; ++c) _mm512_store_ps(wide + i * DIM + 16 * c, kr[c]);
     }
     for (int g = 0; g < GROUP; ++g) {
-      __m512 qv[C], part[16];
-      for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qh + g * DIM + 16 * c);
-      for (int i = 0; i < 16; ++i) {
-        if (i < n) {
-          __m512 p = _mm512_mul_ps(qv[0], _mm512_load_ps(wide + i * DIM));
-          for (int c = 1; c < C; ++c) p = _mm512_fmadd_ps(qv[c], _mm512_load_ps(wide + i * DIM + 16 * c), p);
-          part[i] = p;
-        } else {
-          part[i] = _mm512_setzero_ps();
+      __m512 part[16];
+      if constexpr (C <= 4) {  // the head's query in C registers, each key's chain in turn
+        __m512 qv[C];
+        for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qh + g * DIM + 16 * c);
+        for (int i = 0; i < 16; ++i) {
+          if (i < n) {
+            __m512 p = _mm512_mul_ps(qv[0], _mm512_load_ps(wide + i * DIM));
+            for (int c = 1; c < C; ++c) p = _mm512_fmadd_ps(qv[c], _mm512_load_ps(wide + i * DIM + 16 * c), p);
+            part[i] = p;
+          } else {
+            part[i] = _mm512_setzero_ps();
+          }
+        }
+      } else {  // a long query does not fit beside 16 chains: piece by piece, all keys' chains moved on together
+        // (each chain's operations and their order as above)
+        const __m512 q0 = _mm512_loadu_ps(qh + g * DIM);
+        for (int i = 0; i < 16; ++i) part[i] = i < n ? _mm512_mul_ps(q0, _mm512_load_ps(wide + i * DIM)) : _mm512_setzero_ps();
+        for (int c = 1; c < C; ++c) {
+          const __m512 qc = _mm512_loadu_ps(qh + g * DIM + 16 * c);
+          for (int i = 0; i < 16; ++i)
+            if (i < n) part[i] = _mm512_fmadd_ps(qc, _mm512_load_ps(wide + i * DIM + 16 * c), part[i]);
         }
       }
       const __mmask16 keep = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
@@ -120,17 +135,30 @@ static inline void segment_scores(const float* __restrict__ qh, const KV* __rest
 // acc at the end; scores: GROUP * block_size floats. The next block's rows of this head are asked for while this
 // one is computed (AHEAD blocks ahead, into the cache level LOC: see attention.cpp); during the last block, the
 // first rows of the item that comes next on this thread (fk / fv / frows), which otherwise started cold.
+// The columns of the value pass per sweep over a segment's keys: all DIM / 16 pieces when the G heads'
+// accumulators, one value row and the G weights fit in the 32 registers with room to spare (SmolLM2: 3 x 4 + 4 + 3),
+// else the widest power of two that does (Gemma 3, 4 heads x 256 dims: 4 pieces a sweep, four sweeps). Each lane's
+// arithmetic is the same either way: rescaled once per segment, then one FMA per key in key order.
+template <int GROUP, int C>
+constexpr int value_pieces() {
+  int n = C;
+  while (n > 1 && GROUP * n + n + GROUP > 30) n /= 2;
+  return n;
+}
+
 template <int DIM, int GROUP, typename KV, int AHEAD, int LOC>
 __attribute__((noinline)) static void attend_avx512(
     const float* __restrict__ qh, const KV* __restrict__ kp, const KV* __restrict__ vp,
     const int64_t* __restrict__ table, int64_t first, int64_t len, int64_t block_size, int64_t kv_heads, int64_t h,
     float scale, float* __restrict__ scores, float* __restrict__ acc, float* __restrict__ row_max,
     float* __restrict__ row_sum, const KV* fk, const KV* fv, int64_t frows) {
-  constexpr int C = DIM / 16;
+  constexpr int C = DIM / 16, P = value_pieces<GROUP, C>();
+  constexpr bool in_registers = P == C;  // else the accumulators live in `acc` between sweeps
   const int64_t stride = kv_heads * DIM;
-  __m512 av[GROUP][C];
-  for (int g = 0; g < GROUP; ++g)
-    for (int c = 0; c < C; ++c) av[g][c] = _mm512_loadu_ps(acc + g * DIM + 16 * c);
+  __m512 av[GROUP][in_registers ? C : 1];
+  if constexpr (in_registers)
+    for (int g = 0; g < GROUP; ++g)
+      for (int c = 0; c < C; ++c) av[g][c] = _mm512_loadu_ps(acc + g * DIM + 16 * c);
   for (int64_t start = first; start < len;) {
     const int64_t block = start / block_size, stop = std::min(len, (block + 1) * block_size), count = stop - start;
     const int64_t row0 = (table[block] * block_size + start - block * block_size) * kv_heads + h;
@@ -147,20 +175,40 @@ __attribute__((noinline)) static void attend_avx512(
     float rescale[GROUP];
     for (int g = 0; g < GROUP; ++g)
       rescale[g] = softmax_segment16(scores + g * block_size, count, row_max[g], row_sum[g]);
-    for (int g = 0; g < GROUP; ++g)
-      for (int c = 0; c < C; ++c) av[g][c] = _mm512_mul_ps(av[g][c], _mm512_set1_ps(rescale[g]));
     const KV* vb = vp + row0 * DIM;
-    for (int64_t i = 0; i < count; ++i) {
-      __m512 vr[C];
-      load_row<DIM>(vb + i * stride, vr);
-      for (int g = 0; g < GROUP; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * block_size + i]);
-        for (int c = 0; c < C; ++c) av[g][c] = _mm512_fmadd_ps(p, vr[c], av[g][c]);
+    if constexpr (in_registers) {
+      for (int g = 0; g < GROUP; ++g)
+        for (int c = 0; c < C; ++c) av[g][c] = _mm512_mul_ps(av[g][c], _mm512_set1_ps(rescale[g]));
+      for (int64_t i = 0; i < count; ++i) {
+        __m512 vr[C];
+        load_row<DIM>(vb + i * stride, vr);
+        for (int g = 0; g < GROUP; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[g * block_size + i]);
+          for (int c = 0; c < C; ++c) av[g][c] = _mm512_fmadd_ps(p, vr[c], av[g][c]);
+        }
+      }
+    } else {
+      for (int c0 = 0; c0 < C; c0 += P) {  // P pieces of every head's accumulator, swept over the segment's keys
+        __m512 a[GROUP][P];
+        for (int g = 0; g < GROUP; ++g)
+          for (int c = 0; c < P; ++c)
+            a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * DIM + 16 * (c0 + c)), _mm512_set1_ps(rescale[g]));
+        for (int64_t i = 0; i < count; ++i) {
+          __m512 vr[P];
+          load_pieces<P>(vb + i * stride + 16 * c0, vr);
+          for (int g = 0; g < GROUP; ++g) {
+            const __m512 p = _mm512_set1_ps(scores[g * block_size + i]);
+            for (int c = 0; c < P; ++c) a[g][c] = _mm512_fmadd_ps(p, vr[c], a[g][c]);
+          }
+        }
+        for (int g = 0; g < GROUP; ++g)
+          for (int c = 0; c < P; ++c) _mm512_storeu_ps(acc + g * DIM + 16 * (c0 + c), a[g][c]);
       }
     }
     start = stop;
   }
-  for (int g = 0; g < GROUP; ++g)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * DIM + 16 * c, av[g][c]);
+  if constexpr (in_registers)
+    for (int g = 0; g < GROUP; ++g)
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * DIM + 16 * c, av[g][c]);
 }
 #endif
