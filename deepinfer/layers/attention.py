@@ -11,20 +11,25 @@ from deepinfer.layers.context import get_forward_context
 
 
 # Prefill chunks whose context is at most this many tokens go through the compiled paged kernel (each query run as a
-# decode row, straight from the cache) rather than SDPA: SmolLM2 / Gemma 3 shapes, 2 cores, one causal sequence:
-# 1.6x / 1.4x faster at 128 tokens, 1.2x at 512, 0.88x at 1024 (SDPA's tiles share keys across queries). A chunk
-# with cached context (a prefix-cache hit, a long prompt's later chunks) takes the kernel at any length: torch must
-# gather and widen the whole context first, and the kernel measured 1.1-1.7x faster for 256-2,048 rows over
-# 1,024-8,192 tokens of bfloat16 context and 3-40x for 1-16 rows (SmolLM2 shapes, 2 cores, stop 33).
-PAGED_PREFILL_MAX = 768
+# decode row, straight from the cache) rather than SDPA on the fresh K/V. Re-measured at stop 37 (one causal
+# sequence, 2 cores, bfloat16 cache against float32 fresh K/V for SDPA; SDPA time / kernel time): SmolLM2 shapes
+# 1.97 / 1.16 / 1.23 / 1.13 / 0.96 at 512 / 1,024 / 2,048 / 3,072 / 4,096 tokens, Gemma 3's full layers 1.93 / 1.44 /
+# 1.23 / 1.11 / 1.25 (doc/inference_deployment_qa.md, "Decode attention"). Sliding-window layers take the kernel at
+# any length once the context passes the window (SDPA computes the whole masked square: Gemma 3, window 512, 2.0x at
+# 1,024 tokens, 3.8x at 2,048, 6.8x at 4,096). A chunk with cached context (a prefix-cache hit, a long prompt's
+# later chunks) takes the kernel at any length: torch must gather and widen the whole context first (1.1-1.7x for
+# 256-2,048 rows over 1,024-8,192 tokens of bfloat16 context, 3-40x for 1-16 rows; SmolLM2 shapes, stop 33).
+PAGED_PREFILL_MAX = 3072
 NARROW_CACHES = (torch.bfloat16, torch.float8_e4m3fn)  # caches float32 K/V are rounded into by the kernels
 KERNEL_CACHES = (torch.float32, *NARROW_CACHES)  # caches the compiled attention reads
 
 
-def paged_prefill_takes(context_len: int, num_tokens: int) -> bool:
-    """Whether a prefill chunk goes through the compiled paged kernel: a short context, or any context read from the
-    cache (torch would gather and widen all of it first); a long chunk with nothing cached goes to SDPA."""
-    return context_len <= PAGED_PREFILL_MAX or context_len != num_tokens
+def paged_prefill_takes(context_len: int, num_tokens: int, window: int | None = None) -> bool:
+    """Whether a prefill chunk goes through the compiled paged kernel: a context up to PAGED_PREFILL_MAX, any context
+    read from the cache (torch would gather and widen all of it first), or a sliding window the context passes; a
+    longer chunk with nothing cached goes to SDPA."""
+    return (context_len <= PAGED_PREFILL_MAX or context_len != num_tokens
+            or (window is not None and context_len > window))
 
 
 def cache_copy(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -98,7 +103,7 @@ class Attention(nn.Module):
                                           md.block_size)
         for seq in md.prefills:
             rows = slice(seq.start, seq.start + seq.num_tokens)
-            if kernels is not None and paged_prefill_takes(seq.context_len, seq.num_tokens):
+            if kernels is not None and paged_prefill_takes(seq.context_len, seq.num_tokens, self.sliding_window):
                 out[rows] = kernels.paged_prefill(q[rows].contiguous(), k_cache, v_cache, seq.block_table,
                                                   seq.context_len - seq.num_tokens, md.block_size, self.scale,
                                                   self.sliding_window or -1)

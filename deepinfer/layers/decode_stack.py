@@ -5,8 +5,8 @@ its position through its sequence's block table, which is what the module path's
 (each query as a decode row). It runs the row and block code the module path runs, in the same order, so a row gets
 the same bits either way; what it removes is Python between the ops and a thread fork per op (about two thirds of a
 batch-1 decode step's time outside the matrix products). Steps with a prefill chunk that has nothing cached and
-passes PAGED_PREFILL_MAX tokens (there the module path uses torch's attention on the fresh K/V), and the
-batch-invariant mode, take the module path.
+passes PAGED_PREFILL_MAX tokens (there the module path uses torch's attention on the fresh K/V of its full-attention
+layers), and the batch-invariant mode, take the module path.
 """
 from __future__ import annotations
 

@@ -172,3 +172,29 @@ def test_lower_builds_match_the_torch_path_and_give_a_row_its_bits_in_any_batch(
         one_by_one = [ops.paged_decode(last[i : i + 1], k, v, tables[4:5], lens[4:5] - 4 + i, BS, scale, w)
                       for i in range(5)]
         assert torch.equal(chunk, torch.cat(one_by_one)), dtype
+
+
+def test_which_prefill_chunks_take_the_kernel():
+    from deepinfer.layers.attention import PAGED_PREFILL_MAX, paged_prefill_takes
+    assert paged_prefill_takes(PAGED_PREFILL_MAX, PAGED_PREFILL_MAX)
+    assert not paged_prefill_takes(PAGED_PREFILL_MAX + 1, PAGED_PREFILL_MAX + 1)  # fresh and long: SDPA
+    assert paged_prefill_takes(PAGED_PREFILL_MAX + 1, 16)  # cached context: the kernel at any length
+    assert paged_prefill_takes(PAGED_PREFILL_MAX + 1, PAGED_PREFILL_MAX + 1, window=512)  # past the window
+    assert not paged_prefill_takes(PAGED_PREFILL_MAX + 1, PAGED_PREFILL_MAX + 1, window=PAGED_PREFILL_MAX + 1)
+
+
+def test_windowed_prefill_chunk_matches_the_masked_torch_path(kernels):
+    """A fresh chunk past a sliding window (Gemma 3's shapes), which now takes the kernel at any length: the same
+    values as SDPA over the masked square, to float rounding."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, window, t = 4, 1, 256, 40, 300
+    width = -(-t // BS)
+    k = torch.randn(width * BS, kv_heads, dim, generator=gen).bfloat16()
+    v = torch.randn(width * BS, kv_heads, dim, generator=gen).bfloat16()
+    table = torch.randperm(width, generator=gen)
+    slots = (table[:, None] * BS + torch.arange(BS)).reshape(-1)[:t]
+    q = torch.randn(t, heads, dim, generator=gen)
+    layer = Attention(heads, kv_heads, dim, dim**-0.5, 0, sliding_window=window)
+    want = layer._prefill(q, k[slots], v[slots], t, 0)
+    got = kernels.paged_prefill(q, k, v, table, 0, BS, dim**-0.5, window)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)

@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from deepinfer import SamplingParams
+from deepinfer.layers.attention import PAGED_PREFILL_MAX
 from deepinfer.layers.decode_stack import DecodeStack
 from deepinfer.llm import LLM
 
@@ -103,10 +104,10 @@ def test_bundled_model_same_bits_with_and_without_the_stack():
 
 def test_prefill_and_mixed_steps_same_bits_and_long_contexts_refused():
     """A small token budget chunks the prompts, so steps hold decode rows and prompt chunks together: every step goes
-    through the stack, with the module path's bits, chunks whose cached context passes PAGED_PREFILL_MAX (768)
+    through the stack, with the module path's bits, chunks whose cached context passes PAGED_PREFILL_MAX (3,072)
     included. A whole prompt past it with nothing cached (the module path runs torch's attention on its fresh K/V)
     is handed back, and still nothing differs."""
-    llm = LLM(kv_cache_memory=96 << 20, enable_prefix_caching=False, max_num_batched_tokens=40)
+    llm = LLM(kv_cache_memory=160 << 20, enable_prefix_caching=False, max_num_batched_tokens=40)
     stack = stack_of(llm).decode_stack
     calls = [0]
     taken = count_calls(stack, calls)
@@ -115,12 +116,13 @@ def test_prefill_and_mixed_steps_same_bits_and_long_contexts_refused():
     calls[0] = taken[0] = 0
     assert run(llm, prompts, True, stack) == off
     assert taken[0] == calls[0] > PARAMS.max_tokens  # prefill and mixed steps included
-    long_prompts = [list(range(100, 900)), [7, 8, 9]]
+    long_prompts = [list(range(100, 100 + PAGED_PREFILL_MAX + 60)), [7, 8, 9]]
     off = run(llm, long_prompts, False, stack)
     calls[0] = taken[0] = 0
     assert run(llm, long_prompts, True, stack) == off
     assert taken[0] == calls[0]
-    whole = LLM(kv_cache_memory=96 << 20, enable_prefix_caching=False)  # the 800-token prompt in one chunk
+    whole = LLM(kv_cache_memory=160 << 20, enable_prefix_caching=False,  # the long prompt in one chunk
+                max_num_batched_tokens=PAGED_PREFILL_MAX + 128)
     stack = stack_of(whole).decode_stack
     calls = [0]
     taken = count_calls(stack, calls)
