@@ -113,7 +113,8 @@ static inline void segment_scores(const float* __restrict__ qh, const KV* __rest
       } else {  // a long query does not fit beside 16 chains: piece by piece, all keys' chains moved on together
         // (each chain's operations and their order as above)
         const __m512 q0 = _mm512_loadu_ps(qh + g * DIM);
-        for (int i = 0; i < 16; ++i) part[i] = i < n ? _mm512_mul_ps(q0, _mm512_load_ps(wide + i * DIM)) : _mm512_setzero_ps();
+        for (int i = 0; i < 16; ++i)
+          part[i] = i < n ? _mm512_mul_ps(q0, _mm512_load_ps(wide + i * DIM)) : _mm512_setzero_ps();
         for (int c = 1; c < C; ++c) {
           const __m512 qc = _mm512_loadu_ps(qh + g * DIM + 16 * c);
           for (int i = 0; i < 16; ++i)
@@ -128,13 +129,6 @@ static inline void segment_scores(const float* __restrict__ qh, const KV* __rest
     prefetch_kv_row<DIM, LOC>(nk + i * stride, nv + i * stride);
 }
 
-// The keys first..len-1 of one (query, KV head) item for its G query heads, segment by segment (a segment: the keys
-// of one block): the scores, the online-softmax step (softmax_segment16: the max, the rescale of what came before,
-// exp, sum), then the accumulators rescaled and each value added key by key. The accumulators stay in registers
-// from the first segment to the last. acc / row_max / row_sum: the running state at the start (zero, -inf, 0), and
-// acc at the end; scores: GROUP * block_size floats. The next block's rows of this head are asked for while this
-// one is computed (AHEAD blocks ahead, into the cache level LOC: see attention.cpp); during the last block, the
-// first rows of the item that comes next on this thread (fk / fv / frows), which otherwise started cold.
 // The columns of the value pass per sweep over a segment's keys: all DIM / 16 pieces when the G heads'
 // accumulators, one value row and the G weights fit in the 32 registers with room to spare (SmolLM2: 3 x 4 + 4 + 3),
 // else the widest power of two that does (Gemma 3, 4 heads x 256 dims: 4 pieces a sweep, four sweeps). Each lane's
@@ -146,6 +140,14 @@ constexpr int value_pieces() {
   return n;
 }
 
+// The keys first..len-1 of one (query, KV head) item for its G query heads, segment by segment (a segment: the keys
+// of one block): the scores, the online-softmax step (softmax_segment16: the max, the rescale of what came before,
+// exp, sum), then the accumulators rescaled and each value added key by key. Where they fit (value_pieces), the
+// accumulators stay in registers from the first segment to the last; else they live in `acc` between sweeps.
+// acc / row_max / row_sum: the running state at the start (zero, -inf, 0), and acc at the end; scores:
+// GROUP * block_size floats. The next block's rows of this head are asked for while this
+// one is computed (AHEAD blocks ahead, into the cache level LOC: see attention.cpp); during the last block, the
+// first rows of the item that comes next on this thread (fk / fv / frows), which otherwise started cold.
 template <int DIM, int GROUP, typename KV, int AHEAD, int LOC>
 __attribute__((noinline)) static void attend_avx512(
     const float* __restrict__ qh, const KV* __restrict__ kp, const KV* __restrict__ vp,
