@@ -98,7 +98,8 @@ static inline void segment_scores(const float* __restrict__ qh, const KV* __rest
     }
     for (int g = 0; g < GROUP; ++g) {
       __m512 part[16];
-      if constexpr (C <= 4) {  // the head's query in C registers, each key's chain in turn
+      if constexpr (C <= 4) {  // the head's query in C registers, each key's chain in turn (SmolLM2: 1.09x over
+        // the piece-by-piece form below on a 512-token prefill, the same bits)
         __m512 qv[C];
         for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qh + g * DIM + 16 * c);
         for (int i = 0; i < 16; ++i) {

@@ -205,8 +205,9 @@ std::tuple<torch::Tensor, torch::Tensor> sample_sorted(torch::Tensor weights, to
       double cdf = 0.0, top_k_total = 0.0;
       bool nan = false;
       for (int64_t j = 0; j < W; ++j) {  // the last entry, the k-th, and whether any weight is NaN
-        nan |= std::isnan(weight(j));
-        cdf += weight(j);
+        const double x = weight(j);
+        nan |= std::isnan(x);
+        cdf += x;
         if (j == kth) top_k_total = cdf;
       }
       const double total = k > 0 ? top_k_total : tp[n], threshold = pp[n] * total;
