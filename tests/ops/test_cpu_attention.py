@@ -121,6 +121,31 @@ def test_prefill_queries_give_the_decode_bits_of_their_position(kernels, window,
         assert torch.equal(torch.cat(got), decodes), chunks
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["f32", "bf16", "fp8"])
+@pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, None), (4, 1, 256, 30), (4, 2, 128, None)])
+def test_decode_rows_of_one_sequence_read_together_give_each_row_its_bits(kernels, heads, kv_heads, dim, window, dtype):
+    """Consecutive positions of one sequence in a decode batch (a token and its drafts, a prompt in the decode stack)
+    are read as query tiles of 4: each row keeps the bits it gets alone. Rows that only look consecutive (lengths one
+    apart, a different block table) are not read together; runs of 6 and 3 leave rows outside any tile."""
+    gen = torch.Generator().manual_seed(dim + heads)
+    num_blocks, width = 24, 8
+    k = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen).to(dtype)
+    seq_a, seq_b = torch.randperm(num_blocks, generator=gen)[:width], torch.randperm(num_blocks, generator=gen)[:width]
+    tables = [seq_a] * 6 + [seq_b] + [seq_a] * 3 + [seq_b]
+    lens = [40, 41, 42, 43, 44, 45, 46, 96, 97, 98, 99]  # row 6 (len 46, seq_b) follows row 5 (45, seq_a)
+    rows = len(lens)
+    q = torch.randn(rows, heads, dim, generator=gen)
+    scale, w = dim**-0.5, window or -1
+    got = kernels.paged_decode(q, k, v, torch.stack(tables), torch.tensor(lens), BS, scale, w)
+    for n in range(rows):
+        alone = kernels.paged_decode(q[n : n + 1], k, v, tables[n][None], torch.tensor([lens[n]]), BS, scale, w)
+        assert torch.equal(got[n], alone[0]), n
+    layer = Attention(heads, kv_heads, dim, scale, 0, sliding_window=window)
+    want = layer._decode(q, k.float(), v.float(), torch.stack(tables), torch.tensor(lens), BS)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, None), (4, 4, 128, 600), (8, 1, 256, None)])
 @pytest.mark.parametrize("tokens", [1, 37, 128, 129, 513])
 def test_fresh_prefill_causal_shortcut_gives_the_masked_bits(heads, kv_heads, dim, window, tokens):

@@ -233,6 +233,10 @@ static void items_of(const DecodeAttention& a, int64_t begin, int64_t end, float
   }
 }
 
+// Query tiles (AVX-512): next_position finds them, tiles_of runs a plan's items with them (included here, after attend
+// and item_at, which it uses).
+#include "attention_tile_avx512.h"
+
 DecodeAttention decode_attention(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                  int64_t rows, int64_t heads, const int64_t* tables, int64_t width,
                                  const int64_t* lens, int64_t block_size, double scale, int64_t window, float* out,
@@ -260,9 +264,29 @@ DecodeAttention decode_attention(const float* q, const torch::Tensor& k_cache, c
     per = 1;  // one query head per item
     items = total;
   }
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+#if defined(__AVX512F__)
+  if (per == group && items == pairs && group <= 4) {  // runs of DI_ATTN_TILE rows of one sequence become tiles
+    bool any = false;
+    for (int64_t n = 0; n < rows;) {
+      int64_t m = 1;
+      while (m < DI_ATTN_TILE && n + m < rows && next_position(tables, width, lens, block_size, n + m - 1)) ++m;
+      if (m < DI_ATTN_TILE) m = 1;
+      tiles.emplace_back(n, m);
+      any = any || m > 1;
+      n += m;
+    }
+    if (any) {
+      items = static_cast<int64_t>(tiles.size()) * kv_heads;
+      per = DI_ATTN_TILE * group;
+    } else {
+      tiles.clear();
+    }
+  }
+#endif
   return DecodeAttention{q, k_cache.data_ptr(), v_cache.data_ptr(), kv_kind(k_cache),
                          rows, heads, kv_heads, dim, tables, width, lens, block_size, static_cast<float>(scale),
-                         window, out, per, items};
+                         window, out, per, items, std::move(tiles)};
 }
 
 int64_t decode_items(const DecodeAttention& a) { return a.items; }
@@ -270,6 +294,14 @@ int64_t decode_items(const DecodeAttention& a) { return a.items; }
 int64_t decode_scratch(const DecodeAttention& a) { return a.per * (a.block_size + a.dim + 2); }
 
 void decode_item_range(const DecodeAttention& a, int64_t begin, int64_t end, float* scratch) {
+#if defined(__AVX512F__)
+  if (!a.tiles.empty()) {
+    if (a.kind == kKVBf16) tiles_of<uint16_t>(a, begin, end, scratch);
+    else if (a.kind == kKVFp8) tiles_of<uint8_t>(a, begin, end, scratch);
+    else tiles_of<float>(a, begin, end, scratch);
+    return;
+  }
+#endif
   if (a.kind == kKVBf16) items_of<uint16_t>(a, begin, end, scratch);
   else if (a.kind == kKVFp8) items_of<uint8_t>(a, begin, end, scratch);
   else items_of<float>(a, begin, end, scratch);

@@ -42,6 +42,39 @@ __attribute__((always_inline)) static inline float softmax_segment16(float* __re
   return rescale;
 }
 
+// softmax_segment16 for NH heads whose scores (at scores + hd * block_size) cover the same count keys: each head's
+// operations as there, the heads' steps interleaved (one head's chain of reductions and exp waited on its
+// latencies; NH heads side by side keep the vector units busy). rescale[hd]: the factor for its accumulators.
+template <int NH>
+__attribute__((always_inline)) static inline void softmax_heads16(float* __restrict__ scores, int64_t block_size,
+                                                                  int64_t count, float* __restrict__ row_max,
+                                                                  float* __restrict__ row_sum, float* rescale) {
+  __m512 m[NH], sum[NH];
+  for (int hd = 0; hd < NH; ++hd) m[hd] = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 k = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
+    for (int hd = 0; hd < NH; ++hd)
+      m[hd] = _mm512_mask_max_ps(m[hd], k, m[hd], _mm512_maskz_loadu_ps(k, scores + hd * block_size + i));
+  }
+  float new_max[NH];
+  for (int hd = 0; hd < NH; ++hd) new_max[hd] = std::max(row_max[hd], _mm512_reduce_max_ps(m[hd]));
+  for (int hd = 0; hd < NH; ++hd) {
+    rescale[hd] = std::exp(row_max[hd] - new_max[hd]);
+    row_max[hd] = new_max[hd];
+    sum[hd] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 k = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
+    for (int hd = 0; hd < NH; ++hd) {
+      float* sg = scores + hd * block_size + i;
+      const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg), _mm512_set1_ps(new_max[hd])));
+      _mm512_mask_storeu_ps(sg, k, e);
+      sum[hd] = _mm512_add_ps(sum[hd], _mm512_maskz_mov_ps(k, e));
+    }
+  }
+  for (int hd = 0; hd < NH; ++hd) row_sum[hd] = row_sum[hd] * rescale[hd] + _mm512_reduce_add_ps(sum[hd]);
+}
+
 // N consecutive 16-value pieces of one cached row as N registers of float32 (a bfloat16 or float8 row widened on
 // the way in); load_row: the whole row, DIM / 16 pieces.
 template <int N>
@@ -77,54 +110,71 @@ static inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
 }
 
+// scores[i] = scale * (q . k_i) for the n <= 16 keys widened into wide[i * DIM ..]: each key's 16 partial products
+// (one chain of FMAs over the DIM / 16 pieces) summed by one hsum16 into 16 scores, a lane's bits depending on its own
+// key only (the same whichever 16 keys share the call: a query tile's keys give a decode row's bits).
+template <int DIM>
+__attribute__((always_inline)) static inline void head_scores16(const float* __restrict__ qg,
+                                                                const float* __restrict__ wide, int n, float scale,
+                                                                float* __restrict__ out) {
+  constexpr int C = DIM / 16;
+  __m512 part[16];
+  if constexpr (C <= 4) {  // the head's query in C registers, each key's chain in turn (SmolLM2: 1.09x over
+    // the piece-by-piece form below on a 512-token prefill, the same bits)
+    __m512 qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qg + 16 * c);
+    for (int i = 0; i < 16; ++i) {
+      if (i < n) {
+        __m512 p = _mm512_mul_ps(qv[0], _mm512_load_ps(wide + i * DIM));
+        for (int c = 1; c < C; ++c) p = _mm512_fmadd_ps(qv[c], _mm512_load_ps(wide + i * DIM + 16 * c), p);
+        part[i] = p;
+      } else {
+        part[i] = _mm512_setzero_ps();
+      }
+    }
+  } else {  // a long query does not fit beside 16 chains: piece by piece, all keys' chains moved on together
+    // (each chain's operations and their order as above)
+    const __m512 q0 = _mm512_loadu_ps(qg);
+    for (int i = 0; i < 16; ++i)
+      part[i] = i < n ? _mm512_mul_ps(q0, _mm512_load_ps(wide + i * DIM)) : _mm512_setzero_ps();
+    for (int c = 1; c < C; ++c) {
+      const __m512 qc = _mm512_loadu_ps(qg + 16 * c);
+      for (int i = 0; i < 16; ++i)
+        if (i < n) part[i] = _mm512_fmadd_ps(qc, _mm512_load_ps(wide + i * DIM + 16 * c), part[i]);
+    }
+  }
+  const __mmask16 keep = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+  _mm512_mask_storeu_ps(out, keep, _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale)));
+}
+
+// Keys i0..i0+n-1 (n <= 16) of a segment widened into wide[i * DIM ..] (with `nk` / `nv`, the next block's rows of
+// this head or null, each key's step also asks for one row of each: spread over the segment, the requests do not
+// queue up behind each other as a burst of a whole block's lines at once did).
+template <int DIM, typename KV, int LOC>
+__attribute__((always_inline)) static inline void widen_keys16(const KV* __restrict__ kb, int64_t i0, int n,
+                                                               int64_t stride, float* __restrict__ wide, const KV* nk,
+                                                               const KV* nv, int64_t ahead) {
+  constexpr int C = DIM / 16;
+  for (int i = 0; i < n; ++i) {
+    if (nk != nullptr && i0 + i < ahead) prefetch_kv_row<DIM, LOC>(nk + (i0 + i) * stride, nv + (i0 + i) * stride);
+    __m512 kr[C];
+    load_row<DIM>(kb + (i0 + i) * stride, kr);
+    for (int c = 0; c < C; ++c) _mm512_store_ps(wide + i * DIM + 16 * c, kr[c]);
+  }
+}
+
 // scores[g * block_size + i] = scale * (q_g . k_i) for the count keys of one segment and the G query heads sharing
-// them. Keys 16 at a time: each widened once into `wide`, each head's 16 partial products summed by one hsum16 into
-// 16 scores (for one head too: an item per query head gives the bits of an item per KV head). With `nk` / `nv` (the
-// next block's rows of this head, or null) each key's step also asks for one row of each: spread over the segment,
-// the requests do not queue up behind each other as a burst of a whole block's lines at once did.
+// them, 16 keys at a time, each widened once and scored for every head (for one head too: an item per query head
+// gives the bits of an item per KV head).
 template <int DIM, int GROUP, typename KV, int LOC>
 static inline void segment_scores(const float* __restrict__ qh, const KV* __restrict__ kb, int64_t count,
                                   int64_t stride, float scale, float* __restrict__ scores, int64_t block_size,
                                   const KV* nk, const KV* nv, int64_t ahead) {
-  constexpr int C = DIM / 16;
   alignas(64) float wide[16 * DIM];
   for (int64_t i0 = 0; i0 < count; i0 += 16) {
     const int n = (int)std::min<int64_t>(16, count - i0);
-    for (int i = 0; i < n; ++i) {
-      if (nk != nullptr && i0 + i < ahead) prefetch_kv_row<DIM, LOC>(nk + (i0 + i) * stride, nv + (i0 + i) * stride);
-      __m512 kr[C];
-      load_row<DIM>(kb + (i0 + i) * stride, kr);
-      for (int c = 0; c < C; ++c) _mm512_store_ps(wide + i * DIM + 16 * c, kr[c]);
-    }
-    for (int g = 0; g < GROUP; ++g) {
-      __m512 part[16];
-      if constexpr (C <= 4) {  // the head's query in C registers, each key's chain in turn (SmolLM2: 1.09x over
-        // the piece-by-piece form below on a 512-token prefill, the same bits)
-        __m512 qv[C];
-        for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qh + g * DIM + 16 * c);
-        for (int i = 0; i < 16; ++i) {
-          if (i < n) {
-            __m512 p = _mm512_mul_ps(qv[0], _mm512_load_ps(wide + i * DIM));
-            for (int c = 1; c < C; ++c) p = _mm512_fmadd_ps(qv[c], _mm512_load_ps(wide + i * DIM + 16 * c), p);
-            part[i] = p;
-          } else {
-            part[i] = _mm512_setzero_ps();
-          }
-        }
-      } else {  // a long query does not fit beside 16 chains: piece by piece, all keys' chains moved on together
-        // (each chain's operations and their order as above)
-        const __m512 q0 = _mm512_loadu_ps(qh + g * DIM);
-        for (int i = 0; i < 16; ++i)
-          part[i] = i < n ? _mm512_mul_ps(q0, _mm512_load_ps(wide + i * DIM)) : _mm512_setzero_ps();
-        for (int c = 1; c < C; ++c) {
-          const __m512 qc = _mm512_loadu_ps(qh + g * DIM + 16 * c);
-          for (int i = 0; i < 16; ++i)
-            if (i < n) part[i] = _mm512_fmadd_ps(qc, _mm512_load_ps(wide + i * DIM + 16 * c), part[i]);
-        }
-      }
-      const __mmask16 keep = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
-      _mm512_mask_storeu_ps(scores + g * block_size + i0, keep, _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale)));
-    }
+    widen_keys16<DIM, KV, LOC>(kb, i0, n, stride, wide, nk, nv, ahead);
+    for (int g = 0; g < GROUP; ++g) head_scores16<DIM>(qh + g * DIM, wide, n, scale, scores + g * block_size + i0);
   }
   for (int64_t i = count; i < ahead; ++i)  // a short segment (a window's first): the rest of the next block
     prefetch_kv_row<DIM, LOC>(nk + i * stride, nv + i * stride);
@@ -175,7 +225,8 @@ __attribute__((noinline)) static void attend_avx512(
       ahead = std::min(block_size, len - later * block_size);
     }
     segment_scores<DIM, GROUP, KV, LOC>(qh, kp + row0 * DIM, count, stride, scale, scores, block_size, nk, nv, ahead);
-    float rescale[GROUP];
+    float rescale[GROUP];  // head by head (softmax_heads16 here: 0.97x, the accumulators held in registers across
+    // the segments leave it too few)
     for (int g = 0; g < GROUP; ++g)
       rescale[g] = softmax_segment16(scores + g * block_size, count, row_max[g], row_sum[g]);
     const KV* vb = vp + row0 * DIM;

@@ -5,6 +5,8 @@
 #include "aten.h"
 
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 // quant_linear.cpp: a packed quantized weight (see the layout there), and activations rounded to int8 per row.
 struct QuantView {
@@ -63,6 +65,9 @@ struct DecodeAttention {
   float* out;  // [rows, heads, dim]
   int64_t per;  // most query heads of one piece (sizes the scratch)
   int64_t items;
+  // query tiles (AVX-512): (first row, rows) of consecutive rows of one sequence read together, a single row being
+  // (row, 1); item i is tile i / kv_heads's queries of KV head i % kv_heads. Empty: no tiles (items as above).
+  std::vector<std::pair<int64_t, int64_t>> tiles;
 };
 DecodeAttention decode_attention(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                  int64_t rows, int64_t heads, const int64_t* tables, int64_t width,
