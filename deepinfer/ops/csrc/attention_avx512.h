@@ -19,43 +19,32 @@ static inline void prefetch_kv_row(const KV* k, const KV* v) {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-// softmax_segment with the maximum and the sum taken 16 scores at a time (exp_shifted written out in the sum loop).
-__attribute__((always_inline)) static inline float softmax_segment16(float* __restrict__ sg, int64_t count,
-                                                                     float& row_max, float& row_sum) {
-  __m512 m = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < count; i += 16) {
-    const __mmask16 k = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
-    m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, sg + i));
-  }
-  const float new_max = std::max(row_max, _mm512_reduce_max_ps(m));
-  const float rescale = std::exp(row_max - new_max);
-  row_max = new_max;
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t i = 0; i < count; i += 16) {  // exp_shifted's lanes, summed from the register (a masked store is
-    // not forwarded to a load that follows it: reading the scores back waited for the store to retire)
-    const __mmask16 k = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
-    const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + i), _mm512_set1_ps(new_max)));
-    _mm512_mask_storeu_ps(sg + i, k, e);
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
-  }
-  row_sum = row_sum * rescale + _mm512_reduce_add_ps(sum);
-  return rescale;
+// Scores 16 at a time: lanes past `count` masked off in the last piece only (whole pieces are loaded and stored
+// unmasked: a masked store is slow and is not forwarded to a load that follows it). Each lane's value is the same.
+static inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+static inline __m512 load16(const float* p, int64_t left) {
+  return left >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(tail_mask(left), p);
+}
+static inline void store16(float* p, int64_t left, __m512 v) {
+  if (left >= 16) _mm512_storeu_ps(p, v);
+  else _mm512_mask_storeu_ps(p, tail_mask(left), v);
 }
 
-// softmax_segment16 for NH heads whose scores (at scores + hd * block_size) cover the same count keys: each head's
-// operations as there, the heads' steps interleaved (one head's chain of reductions and exp waited on its
-// latencies; NH heads side by side keep the vector units busy). rescale[hd]: the factor for its accumulators.
+// The online-softmax step of NH heads whose scores (at scores + hd * block_size) cover the same count keys: each
+// head's maximum and sum taken 16 scores at a time (exp_shifted written out in the sum loop, summed from the
+// register), the heads' steps interleaved (one head's chain of reductions and exp waits on its latencies; heads side
+// by side keep the vector units busy). rescale[hd]: the factor for the head's accumulators.
 template <int NH>
 __attribute__((always_inline)) static inline void softmax_heads16(float* __restrict__ scores, int64_t block_size,
                                                                   int64_t count, float* __restrict__ row_max,
                                                                   float* __restrict__ row_sum, float* rescale) {
   __m512 m[NH], sum[NH];
   for (int hd = 0; hd < NH; ++hd) m[hd] = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < count; i += 16) {
-    const __mmask16 k = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
+  for (int64_t i = 0; i < count; i += 16)  // a masked-off lane loads 0 and keeps the running maximum
     for (int hd = 0; hd < NH; ++hd)
-      m[hd] = _mm512_mask_max_ps(m[hd], k, m[hd], _mm512_maskz_loadu_ps(k, scores + hd * block_size + i));
-  }
+      m[hd] = _mm512_mask_max_ps(m[hd], tail_mask(count - i), m[hd], load16(scores + hd * block_size + i, count - i));
   float new_max[NH];
   for (int hd = 0; hd < NH; ++hd) new_max[hd] = std::max(row_max[hd], _mm512_reduce_max_ps(m[hd]));
   for (int hd = 0; hd < NH; ++hd) {
@@ -63,16 +52,22 @@ __attribute__((always_inline)) static inline void softmax_heads16(float* __restr
     row_max[hd] = new_max[hd];
     sum[hd] = _mm512_setzero_ps();
   }
-  for (int64_t i = 0; i < count; i += 16) {
-    const __mmask16 k = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
+  for (int64_t i = 0; i < count; i += 16)
     for (int hd = 0; hd < NH; ++hd) {
       float* sg = scores + hd * block_size + i;
-      const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg), _mm512_set1_ps(new_max[hd])));
-      _mm512_mask_storeu_ps(sg, k, e);
-      sum[hd] = _mm512_add_ps(sum[hd], _mm512_maskz_mov_ps(k, e));
+      const __m512 e = exp_lanes(_mm512_sub_ps(load16(sg, count - i), _mm512_set1_ps(new_max[hd])));
+      store16(sg, count - i, e);
+      sum[hd] = _mm512_add_ps(sum[hd], count - i >= 16 ? e : _mm512_maskz_mov_ps(tail_mask(count - i), e));
     }
-  }
   for (int hd = 0; hd < NH; ++hd) row_sum[hd] = row_sum[hd] * rescale[hd] + _mm512_reduce_add_ps(sum[hd]);
+}
+
+// One head's step (the decode loop's: interleaving its G heads there was 0.97x, see attend_avx512).
+__attribute__((always_inline)) static inline float softmax_segment16(float* __restrict__ sg, int64_t count,
+                                                                     float& row_max, float& row_sum) {
+  float rescale;
+  softmax_heads16<1>(sg, 0, count, &row_max, &row_sum, &rescale);
+  return rescale;
 }
 
 // N consecutive 16-value pieces of one cached row as N registers of float32 (a bfloat16 or float8 row widened on
@@ -113,10 +108,10 @@ static inline __m512 hsum16(const __m512* v) {
 // scores[i] = scale * (q . k_i) for the n <= 16 keys widened into wide[i * DIM ..]: each key's 16 partial products
 // (one chain of FMAs over the DIM / 16 pieces) summed by one hsum16 into 16 scores, a lane's bits depending on its own
 // key only (the same whichever 16 keys share the call: a query tile's keys give a decode row's bits).
-template <int DIM>
-__attribute__((always_inline)) static inline void head_scores16(const float* __restrict__ qg,
-                                                                const float* __restrict__ wide, int n, float scale,
-                                                                float* __restrict__ out) {
+template <int DIM, bool FULL>
+__attribute__((always_inline)) static inline void head_scores16_n(const float* __restrict__ qg,
+                                                                  const float* __restrict__ wide, int n, float scale,
+                                                                  float* __restrict__ out) {
   constexpr int C = DIM / 16;
   __m512 part[16];
   if constexpr (C <= 4) {  // the head's query in C registers, each key's chain in turn (SmolLM2: 1.09x over
@@ -124,7 +119,7 @@ __attribute__((always_inline)) static inline void head_scores16(const float* __r
     __m512 qv[C];
     for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qg + 16 * c);
     for (int i = 0; i < 16; ++i) {
-      if (i < n) {
+      if (FULL || i < n) {
         __m512 p = _mm512_mul_ps(qv[0], _mm512_load_ps(wide + i * DIM));
         for (int c = 1; c < C; ++c) p = _mm512_fmadd_ps(qv[c], _mm512_load_ps(wide + i * DIM + 16 * c), p);
         part[i] = p;
@@ -136,15 +131,25 @@ __attribute__((always_inline)) static inline void head_scores16(const float* __r
     // (each chain's operations and their order as above)
     const __m512 q0 = _mm512_loadu_ps(qg);
     for (int i = 0; i < 16; ++i)
-      part[i] = i < n ? _mm512_mul_ps(q0, _mm512_load_ps(wide + i * DIM)) : _mm512_setzero_ps();
+      part[i] = FULL || i < n ? _mm512_mul_ps(q0, _mm512_load_ps(wide + i * DIM)) : _mm512_setzero_ps();
     for (int c = 1; c < C; ++c) {
       const __m512 qc = _mm512_loadu_ps(qg + 16 * c);
       for (int i = 0; i < 16; ++i)
-        if (i < n) part[i] = _mm512_fmadd_ps(qc, _mm512_load_ps(wide + i * DIM + 16 * c), part[i]);
+        if (FULL || i < n) part[i] = _mm512_fmadd_ps(qc, _mm512_load_ps(wide + i * DIM + 16 * c), part[i]);
     }
   }
-  const __mmask16 keep = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
-  _mm512_mask_storeu_ps(out, keep, _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale)));
+  const __m512 scores = _mm512_mul_ps(hsum16(part), _mm512_set1_ps(scale));
+  if constexpr (FULL) _mm512_storeu_ps(out, scores);
+  else _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1), scores);
+}
+// 16 keys (the usual case: whole blocks of 16) compiled without the per-key tests and the masked store (a compare
+// and branch per key and head was ~8% of a prefill's attention samples); the same operations on each lane.
+template <int DIM>
+__attribute__((always_inline)) static inline void head_scores16(const float* __restrict__ qg,
+                                                                const float* __restrict__ wide, int n, float scale,
+                                                                float* __restrict__ out) {
+  if (n == 16) head_scores16_n<DIM, true>(qg, wide, n, scale, out);
+  else head_scores16_n<DIM, false>(qg, wide, n, scale, out);
 }
 
 // Keys i0..i0+n-1 (n <= 16) of a segment widened into wide[i * DIM ..] (with `nk` / `nv`, the next block's rows of
@@ -225,8 +230,8 @@ __attribute__((noinline)) static void attend_avx512(
       ahead = std::min(block_size, len - later * block_size);
     }
     segment_scores<DIM, GROUP, KV, LOC>(qh, kp + row0 * DIM, count, stride, scale, scores, block_size, nk, nv, ahead);
-    float rescale[GROUP];  // head by head (softmax_heads16 here: 0.97x, the accumulators held in registers across
-    // the segments leave it too few)
+    float rescale[GROUP];  // head by head (softmax_heads16<GROUP> here: 0.97x, the accumulators held in registers
+    // across the segments leave it too few)
     for (int g = 0; g < GROUP; ++g)
       rescale[g] = softmax_segment16(scores + g * block_size, count, row_max[g], row_sum[g]);
     const KV* vb = vp + row0 * DIM;
