@@ -160,7 +160,9 @@ def test_every_instruction_set_build_gives_the_native_bits(kernels, isa):
     assert other is not None, f"the {isa} build failed"
     if isa != "generic":
         assert other.isa() == isa
-    for qtype, k in ((QType.Q4_1, 96), (QType.Q8_0, 64), (QType.Q6_K, 256), (QType.Q4_K, 256)):
+    # K / 32 activation blocks of 3, 2, 8, 12, 18 (16 + 2) and 16: every lane count of the rounding's 16-block steps
+    for qtype, k in ((QType.Q4_1, 96), (QType.Q8_0, 64), (QType.Q6_K, 256), (QType.Q4_K, 256), (QType.Q4_1, 384),
+                     (QType.Q8_0, 576), (QType.Q4_K, 512)):
         packed = ql.pack(canonical(qtype, random_blocks(qtype, 40, k, seed=5), (40, k)))
         x = torch.randn(11, k, generator=torch.Generator().manual_seed(6))
         assert torch.equal(ql.linear(other, x, packed), ql.linear(kernels, x, packed)), qtype.name
