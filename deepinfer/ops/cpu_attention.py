@@ -6,7 +6,9 @@ value once: per (query, KV head) it scores the G query heads that share the KV h
 keys, rescales a running max / sum / weighted value sum (online softmax, one rescale per segment), and writes
 acc / sum; sliding windows start at max(0, len - W). `paged_prefill` runs the same per-query computation for each
 token of a prefill chunk (one compiled copy of the segment step, no FMA contraction), so a token gets the same bits
-from either path: the batch-invariant mode's attention. Queries in float32; the cache in float32 or bfloat16 (each
+from either path: the batch-invariant mode's attention (with AVX-512, four consecutive queries of one sequence, a
+prompt's or a token and its drafts, run as one query tile that reads each block once: each query's arithmetic
+unchanged, csrc/attention_tile_avx512.h). Queries in float32; the cache in float32 or bfloat16 (each
 value widened to float32 as it is read, so a bfloat16 cache moves half the bytes). Built once per machine with torch's
 cpp_extension (g++, ninja) into torch's extension cache; if that fails the engine logs why and keeps the torch path.
 """

@@ -4,8 +4,10 @@
 // the KV head against one block segment of keys, rescales a running max / sum / weighted value sum (online softmax,
 // one rescale per segment), and writes acc / sum; sliding windows start at max(0, len - W). `paged_prefill` runs the
 // same per-query computation for each token of a prefill chunk (one compiled copy of the segment step, no FMA
-// contraction), so a token gets the same bits from either path: the batch-invariant mode's attention. Queries in
-// float32; the cache in float32, bfloat16 or float8 e4m3fn (each value widened to float32 as it is read).
+// contraction), so a token gets the same bits from either path: the batch-invariant mode's attention. With AVX-512,
+// runs of four consecutive positions of one sequence become query tiles (attention_tile_avx512.h), each query's
+// arithmetic unchanged. Queries in float32; the cache in float32, bfloat16 or float8 e4m3fn (each value widened to
+// float32 as it is read).
 #include "aten.h"
 #include <algorithm>
 #include <cmath>
