@@ -97,24 +97,20 @@ __attribute__((noinline)) static void attend_tile_avx512(
       same = same && from[r] == s && to[r] == e;
       for (int g = 0; g < GROUP; ++g) w[r * GROUP + g] = scores + (r * GROUP + g) * block_size + (from[r] - s);
     }
-    if (same) {
+    if (same) {  // the whole tile reads the same keys: softmax steps side by side, each value row widened once
       softmax_heads16<NH>(scores, block_size, e - s, row_max, row_sum, rescale);
-    } else {
-      for (int r = 0; r < R; ++r)
-        for (int g = 0; g < GROUP; ++g) {
-          const int hd = r * GROUP + g;
-          if (from[r] < to[r])
-            rescale[hd] = softmax_segment16(scores + hd * block_size + (from[r] - s), to[r] - from[r], row_max[hd],
-                                            row_sum[hd]);
-        }
-    }
-    if (same) {  // the whole tile reads the same keys: each value row widened once for all NH heads
       value_pass<DIM, NH, KV>(w, a, rescale, vb, e - s, stride);
     } else {  // the first or last block: query by query over its own segment
-      for (int r = 0; r < R; ++r)
-        if (from[r] < to[r])
-          value_pass<DIM, GROUP, KV>(w + r * GROUP, a + r * GROUP, rescale + r * GROUP, vb + (from[r] - s) * stride,
-                                     to[r] - from[r], stride);
+      for (int r = 0; r < R; ++r) {
+        if (from[r] >= to[r]) continue;
+        for (int g = 0; g < GROUP; ++g) {
+          const int hd = r * GROUP + g;
+          rescale[hd] = softmax_segment16(scores + hd * block_size + (from[r] - s), to[r] - from[r], row_max[hd],
+                                          row_sum[hd]);
+        }
+        value_pass<DIM, GROUP, KV>(w + r * GROUP, a + r * GROUP, rescale + r * GROUP, vb + (from[r] - s) * stride,
+                                   to[r] - from[r], stride);
+      }
     }
   }
 }
@@ -122,7 +118,8 @@ __attribute__((noinline)) static void attend_tile_avx512(
 // Query tiles (decode_attention plans them): DI_ATTN_TILE consecutive rows of one sequence per tile, for groups of
 // up to 4 query heads per KV head (a larger tile's accumulators outgrow the registers of the value pass). 4 rows:
 // SmolLM2's attention over a 2,048-token prompt on one thread of the 2-core Zen 4 EPYC 1.19x faster than a query at
-// a time, 2 rows 1.22x, 8 rows 0.99x (before softmax_heads16, which took 4 rows to 1.34x).
+// a time, 2 rows 1.22x, 8 rows 0.99x (before softmax_heads16 and the unmasked whole pieces, with which 4 rows give
+// 1.40x). Rows outside any tile run the decode item (without its request for the next item's first rows).
 #ifndef DI_ATTN_TILE
 #define DI_ATTN_TILE 4
 #endif
