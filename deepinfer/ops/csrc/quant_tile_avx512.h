@@ -7,6 +7,22 @@ template <> inline __m512 load16<uint16_t>(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// isum += w (unsigned bytes) . the 4 signed bytes at x broadcast to every lane. With DI_EMBED_BCAST (default) the
+// broadcast is the dot product's own memory operand ({1to16}); from the intrinsics GCC emits a separate vpbroadcastd
+// per dot product, which measured 1.03-1.12x slower on Zen 4 (SmolLM2's shapes at 64 and 128 rows; the same integer
+// sums, so the same bits: `python benchmarks/quant_linear_rows.py --variants "DI_EMBED_BCAST=0;DI_EMBED_BCAST=1"`).
+#ifndef DI_EMBED_BCAST
+#define DI_EMBED_BCAST 1
+#endif
+inline __m512i dot_bcast(__m512i isum, __m512i w, const int8_t* x) {
+#if DI_EMBED_BCAST
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(isum) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+  return isum;
+#else
+  return _mm512_dpbusd_epi32(isum, w, _mm512_set1_epi32(load_i32(x)));
+#endif
+}
+
 // MT activation rows x 16 output rows: out[m * ldo + 0..15].
 template <int MT, int BITS, int G, typename ST, bool AFF>
 void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
@@ -28,15 +44,15 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
         const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
         for (int m = 0; m < MT; ++m) {
           const int8_t* x = xq + m * K + k0 + 8 * p;
-          isum[m] = _mm512_dpbusd_epi32(isum[m], wl, _mm512_set1_epi32(load_i32(x)));
-          isum[m] = _mm512_dpbusd_epi32(isum[m], wh, _mm512_set1_epi32(load_i32(x + 4)));
+          isum[m] = dot_bcast(isum[m], wl, x);
+          isum[m] = dot_bcast(isum[m], wh, x + 4);
         }
       }
     } else {
       for (int p = 0; p < G / 4; ++p) {
         const __m512i w = _mm512_loadu_si512(rec + 64 * p);
         for (int m = 0; m < MT; ++m)
-          isum[m] = _mm512_dpbusd_epi32(isum[m], w, _mm512_set1_epi32(load_i32(xq + m * K + k0 + 4 * p)));
+          isum[m] = dot_bcast(isum[m], w, xq + m * K + k0 + 4 * p);
       }
     }
     const __m512 sv = load16(s + g * 16);
