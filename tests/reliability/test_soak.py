@@ -36,8 +36,9 @@ def test_200_concurrent_streams_for_25_seconds(tiny_server, tenant_keys, tmp_pat
     if not report["memory"]["ok"]:
         # The server keeps freed memory for reuse at its high-water mark (deepinfer/worker/host_memory.py): a step
         # larger than any before it, late in a run, raises resident memory once and it stays there (once in a full
-        # suite run at stop 39: quarter medians 552, 622, 627, 660 MiB; 6-30 MiB drift in four runs without the suite). A leak grows again in a second run against the same
-        # server; a high-water mark already reached does not.
+        # suite run at stop 39: quarter medians 552, 622, 627, 660 MiB; 6-30 MiB drift in four runs without the
+        # suite). A leak grows again in a second run against the same server; a high-water mark already reached
+        # does not.
         first = report["memory"]
         report = run_soak(tiny_server, tenant_keys, tmp_path / "soak-again.json")
         report["memory"]["first_run"] = first

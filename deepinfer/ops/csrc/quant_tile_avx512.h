@@ -14,9 +14,10 @@ template <> inline __m512 load16<uint16_t>(const uint16_t* p) {
 #ifndef DI_EMBED_BCAST
 #define DI_EMBED_BCAST 1
 #endif
+typedef int32_t __attribute__((may_alias)) bytes4;  // the 4 int8 activations read as one operand
 inline __m512i dot_bcast(__m512i isum, __m512i w, const int8_t* x) {
 #if DI_EMBED_BCAST
-  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(isum) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(isum) : "v"(w), "m"(*reinterpret_cast<const bytes4*>(x)));
   return isum;
 #else
   return _mm512_dpbusd_epi32(isum, w, _mm512_set1_epi32(load_i32(x)));
