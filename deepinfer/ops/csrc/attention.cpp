@@ -185,6 +185,22 @@ static inline int64_t item_at(int64_t slot, int64_t items) {
   return slot % 2 == 0 ? slot / 2 : items - 1 - slot / 2;
 }
 
+// Query heads head..head+count-1 of row n, sharing KV head h, over keys first..len-1: attend for the head dimension
+// (fk / fv / frows: the rows the piece's last block asks for, or none).
+template <typename KV>
+static inline void attend_piece(const DecodeAttention& a, int64_t head, int64_t n, int64_t h, int64_t count,
+                                int64_t first, int64_t len, float* scores, float* acc, float* row_max, float* row_sum,
+                                const KV* fk, const KV* fv, int64_t frows) {
+  auto run = [&](auto fn) {
+    fn(a.q + head * a.dim, static_cast<const KV*>(a.k_cache), static_cast<const KV*>(a.v_cache),
+       a.tables + n * a.width, first, len, a.block_size, a.kv_heads, h, count, a.scale, a.out + head * a.dim, scores,
+       acc, row_max, row_sum, fk, fv, frows);
+  };
+  if (a.dim == 64) run(attend<64, KV>);
+  else if (a.dim == 128) run(attend<128, KV>);
+  else run(attend<256, KV>);
+}
+
 template <typename KV>
 static void items_of(const DecodeAttention& a, int64_t begin, int64_t end, float* scratch) {
   const KV* kp = static_cast<const KV*>(a.k_cache);
@@ -222,21 +238,13 @@ static void items_of(const DecodeAttention& a, int64_t begin, int64_t end, float
       fv = vp + row0 * dim;
       frows = std::min(a.block_size - off, f.len - f.first);
     }
-    const float* qh = a.q + p.head * dim;
-    float* o = a.out + p.head * dim;
-    auto run = [&](auto fn) {
-      fn(qh, kp, vp, a.tables + p.n * a.width, p.first, p.len, a.block_size, a.kv_heads, p.h, p.count, a.scale, o,
-         scores, acc, row_max, row_sum, fk, fv, frows);
-    };
-    if (dim == 64) run(attend<64, KV>);
-    else if (dim == 128) run(attend<128, KV>);
-    else run(attend<256, KV>);
+    attend_piece<KV>(a, p.head, p.n, p.h, p.count, p.first, p.len, scores, acc, row_max, row_sum, fk, fv, frows);
     p = f;
   }
 }
 
-// Query tiles (AVX-512): next_position finds them, tiles_of runs a plan's items with them (included here, after attend
-// and item_at, which it uses).
+// Query tiles (AVX-512): next_position finds them, tiles_of runs a plan's items with them (included here, after
+// attend_piece and item_at, which it uses).
 #include "attention_tile_avx512.h"
 
 DecodeAttention decode_attention(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,

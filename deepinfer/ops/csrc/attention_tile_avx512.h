@@ -154,21 +154,13 @@ static void tiles_of(const DecodeAttention& a, int64_t begin, int64_t end, float
   float* acc = scores + a.per * a.block_size;
   float* row_max = acc + a.per * dim;
   float* row_sum = row_max + a.per;
-  const KV* kp = static_cast<const KV*>(a.k_cache);
-  const KV* vp = static_cast<const KV*>(a.v_cache);
   for (int64_t slot = begin; slot < end; ++slot) {
     const int64_t item = item_at(slot, a.items), h = item % a.kv_heads;
     const auto [n, count] = a.tiles[item / a.kv_heads];
     if (count == 1) {  // a row alone: the decode item
       const int64_t len = a.lens[n], first = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
-      const int64_t head = n * a.heads + h * group;
-      auto run = [&](auto fn) {
-        fn(a.q + head * dim, kp, vp, a.tables + n * a.width, first, len, a.block_size, a.kv_heads, h, group, a.scale,
-           a.out + head * dim, scores, acc, row_max, row_sum, nullptr, nullptr, 0);
-      };
-      if (dim == 64) run(attend<64, KV>);
-      else if (dim == 128) run(attend<128, KV>);
-      else run(attend<256, KV>);
+      attend_piece<KV>(a, n * a.heads + h * group, n, h, group, first, len, scores, acc, row_max, row_sum, nullptr,
+                       nullptr, 0);
       continue;
     }
     auto by_group = [&](auto dim_c) {
