@@ -9,7 +9,10 @@ fixed by construction:
   per tile, every tile starting 64-byte aligned. Every call has the same shape, strides and alignment whatever M is,
   so the library runs the same code with the same K order, and a GEMM row reads only its own input row. On a CPU
   with MKL the weight is packed once for that tile shape (``cblas_sgemm_pack``), which makes tiles as fast as one
-  large call at batch 32; elsewhere each tile is one F.linear call.
+  large call at batch 32; elsewhere each tile is one F.linear call. The rows past the last full tile may go through
+  a shorter tile (``SHORT_TILES``, an F.linear call) only where a probe at load found that tile's rows bitwise equal
+  to the full packed tile's at several thread counts (``short_tiles``): a decode of a few rows then costs a 4- or
+  8-row GEMM, not a 32-row one. Whether it holds is MKL's choice per shape and CPU, so it is measured, never assumed.
 - ``fold_sum`` (RMSNorm, softmax, log_softmax, attention's sums): a pairwise tree over the last dimension made of
   elementwise adds, whose pairs depend only on the row length. An elementwise add is one IEEE addition whatever
   kernel, thread or device runs it. max needs no order (it is exact), so ``amax`` is used as is.
@@ -35,6 +38,8 @@ import torch.nn.functional as F
 
 
 ROW_TILE = 32  # rows per GEMM call: batch-32 decode is one full tile (measured fastest at batch 32-64 on MKL)
+SHORT_TILES = (4, 8, 16)  # candidate heights for the last tile (MKL on Zen 4: rows of 1-3 rows differ, 4k agree)
+_PROBE_THREADS = (1, 2, 4)  # thread counts a short tile must agree at, besides the current one
 KV_CHUNK = 64  # key positions per attention reduction chunk (at least one KV block)
 _ALIGN = 64  # bytes: every tile of a GEMM starts on this boundary (ROW_TILE * K * 4 bytes keeps it from tile to tile)
 _GPU_ITEMS_PER_CALL = 256  # attention GEMM items per batched call off the CPU
@@ -98,25 +103,43 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def short_tiles(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> tuple[int, ...]:
+    """The heights in SHORT_TILES whose F.linear rows equal the packed ROW_TILE GEMM's rows, bit for bit, on random
+    rows at 1, 2, 4 and the current number of threads; () without a packed weight (off MKL the fixed tile stands)."""
+    if packed is None:
+        return ()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(ROW_TILE, weight.shape[1], generator=gen, dtype=weight.dtype)
+    before = torch.get_num_threads()
+    allowed = set(SHORT_TILES)
+    try:
+        for threads in sorted({*_PROBE_THREADS, before}):
+            torch.set_num_threads(threads)
+            want = torch.ops.mkl._mkl_linear(x, packed, weight, bias, ROW_TILE)
+            allowed = {h for h in allowed if torch.equal(F.linear(x[:h].clone(), weight, bias), want[:h])}
+    finally:
+        torch.set_num_threads(before)
+    return tuple(sorted(allowed))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b with every row computed by a GEMM call of the same shape: tiles of ROW_TILE rows."""
+           packed: torch.Tensor | None = None, short: tuple[int, ...] = ()) -> torch.Tensor:
+    """x W^T + b with every row computed by a GEMM call of the same shape: tiles of ROW_TILE rows, the last one
+    zero-padded to ROW_TILE or to the smallest height in ``short`` (from ``short_tiles``) that holds it."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
+    if not (rows.is_contiguous() and rows.data_ptr() % _ALIGN == 0):
+        rows = rows.new_empty(rows.shape).copy_(rows)  # a fresh buffer: the allocator aligns to 64 bytes
     m = rows.shape[0]
     full = m // ROW_TILE * ROW_TILE
-    if full and not (rows.is_contiguous() and rows.data_ptr() % _ALIGN == 0):
-        full = 0  # copy everything into a fresh, aligned buffer below
     tiles = [rows[start : start + ROW_TILE] for start in range(0, full, ROW_TILE)]
     if full < m or m == 0:
-        rest = rows.new_empty(max(1, -(-(m - full) // ROW_TILE)) * ROW_TILE, k)  # the allocator aligns to 64 bytes
+        height = next((h for h in short if h >= m - full), ROW_TILE)
+        rest = rows.new_zeros(height, k)
         rest[: m - full] = rows[full:]
-        rest[m - full :] = 0
-        tiles += list(rest.split(ROW_TILE))
-    if packed is not None:
-        outs = [torch.ops.mkl._mkl_linear(tile, packed, weight, bias, ROW_TILE) for tile in tiles]
-    else:
-        outs = [F.linear(tile, weight, bias) for tile in tiles]
+        tiles.append(rest)
+    outs = [torch.ops.mkl._mkl_linear(tile, packed, weight, bias, ROW_TILE) if packed is not None and len(tile) ==
+            ROW_TILE else F.linear(tile, weight, bias) for tile in tiles]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out[:m].reshape(*lead, weight.shape[0])
 

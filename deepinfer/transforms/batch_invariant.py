@@ -2,6 +2,8 @@
 (ops/batch_invariant.py). Attention switches itself through the forward context."""
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -9,20 +11,26 @@ from deepinfer.layers.linear import Linear
 from deepinfer.layers.mla import MLAttention
 from deepinfer.layers.moe import MoE
 from deepinfer.layers.norm import RMSNorm
-from deepinfer.ops.batch_invariant import linear, pack_weight, rms_norm
+from deepinfer.ops.batch_invariant import ROW_TILE, linear, pack_weight, rms_norm, short_tiles
+
+logger = logging.getLogger(__name__)
 
 
 class InvariantLinear(nn.Module):
     """A Linear / nn.Linear that computes through ``linear``; shares the original parameters (ties stay tied)."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, probed: dict[tuple, tuple[int, ...]]) -> None:
         super().__init__()
         self.weight = weight
         self.bias = bias
         self.packed = pack_weight(weight)  # not a buffer: an MKL-internal layout, rebuilt from the weight
+        key = (tuple(weight.shape), weight.dtype, bias is not None)  # MKL picks its kernels by shape, not values
+        if key not in probed:
+            probed[key] = short_tiles(weight, bias, self.packed)
+        self.short = probed[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.short)
 
 
 class InvariantRMSNorm(nn.Module):
@@ -46,10 +54,16 @@ def make_batch_invariant(model: nn.Module) -> nn.Module:
     if unsupported:
         raise ValueError(f"batch_invariant is not supported for {type(model).__name__}: its {', '.join(unsupported)} "
                          f"layers have no batch-invariant kernels; supported are dense attention models")
+    probed = {}  # short tile heights per weight shape, probed once for this model
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, (Linear, nn.Linear)):
-                setattr(parent, name, InvariantLinear(child.weight, child.bias))
+                setattr(parent, name, InvariantLinear(child.weight, child.bias, probed))
             elif isinstance(child, RMSNorm):
                 setattr(parent, name, InvariantRMSNorm(child))
+    if probed:
+        shown = "; ".join(f"{shape[0]}x{shape[1]}: {', '.join(map(str, short)) or 'none'}"
+                          for (shape, _, _), short in probed.items())
+        logger.info("batch invariant: linear layers in %d-row GEMM tiles; shorter last tiles whose rows probed "
+                    "bitwise equal per weight shape: %s", ROW_TILE, shown)
     return model

@@ -49,7 +49,8 @@ def _target(data, m: int) -> int:
 SHAPES = [(576, 960), (64, 200), (1536, 576)]
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["mkl-packed", "per-tile-f.linear"])
+@pytest.mark.parametrize("packed", ["full", "short", None], ids=["mkl-packed", "mkl-packed-short-tiles",
+                                                                   "per-tile-f.linear"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @SETTINGS
 @given(m=st.integers(1, 256), data=st.data(), seed=st.integers(0, 2**16))
@@ -60,7 +61,12 @@ def test_linear_row_alone_equals_row_in_batch(shape, packed, m, data, seed):
     pw = bi.pack_weight(w) if packed else None
     if packed and pw is None:
         pytest.skip("no MKL packed GEMM in this torch build")
-    _check_rows(lambda x: bi.linear(x, w, bias, pw), m, k, _target(data, m), seed)
+    short = bi.short_tiles(w, bias, pw) if packed == "short" else ()
+    assert set(short) <= set(bi.SHORT_TILES)
+    _check_rows(lambda x: bi.linear(x, w, bias, pw, short), m, k, _target(data, m), seed)
+    if short:  # the probed short tiles give the bits of the fixed 32-row tiles
+        x = _rows(seed, m, k)
+        assert torch.equal(bi.linear(x, w, bias, pw, short), bi.linear(x, w, bias, pw))
 
 
 def test_linear_matches_f_linear_and_keeps_leading_dims(threads):

@@ -117,9 +117,14 @@ def test_prefill_and_mixed_steps_same_bits_and_long_contexts_refused():
     assert run(llm, prompts, True, stack) == off
     assert taken[0] == calls[0] > PARAMS.max_tokens  # prefill and mixed steps included
     long_prompts = [list(range(100, 100 + PAGED_PREFILL_MAX + 60)), [7, 8, 9]]
-    off = run(llm, long_prompts, False, stack)
+    chunked = LLM(kv_cache_memory=160 << 20, enable_prefix_caching=False,  # 4 chunks: the last one's context passes
+                  max_num_batched_tokens=1000)
+    stack = stack_of(chunked).decode_stack
+    calls = [0]
+    taken = count_calls(stack, calls)
+    off = run(chunked, long_prompts, False, stack)
     calls[0] = taken[0] = 0
-    assert run(llm, long_prompts, True, stack) == off
+    assert run(chunked, long_prompts, True, stack) == off
     assert taken[0] == calls[0]
     whole = LLM(kv_cache_memory=160 << 20, enable_prefix_caching=False,  # the long prompt in one chunk
                 max_num_batched_tokens=PAGED_PREFILL_MAX + 128)
