@@ -87,7 +87,7 @@ def cmd_train_mtp(args: argparse.Namespace) -> int:
     from deepinfer.spec.train_mtp import TrainConfig, train
 
     config = TrainConfig(num_prompts=args.num_prompts, gen_tokens=args.gen_tokens, minutes=args.minutes,
-                         threads=args.num_threads, seed=args.seed, depths=args.depths)
+                         max_steps=args.max_steps, threads=args.num_threads, seed=args.seed, depths=args.depths)
     directory = train(args.model, args.out, config)
     print(directory)
     return 0
@@ -98,6 +98,7 @@ def add_train_mtp(sub) -> None:
     train.add_argument("--model", default=None, help="default: the bundled SmolLM2")
     train.add_argument("--out", default=None, help="directory to write (default: ~/.cache/deepinfer/mtp/<model>)")
     train.add_argument("--minutes", type=float, default=25.0, help="wall-clock budget (default %(default)s)")
+    train.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (default: the budget)")
     train.add_argument("--num-prompts", type=int, default=768, help="self-generated training answers")
     train.add_argument("--depths", type=int, default=2, help="draft depths trained (default %(default)s)")
     train.add_argument("--gen-tokens", type=int, default=192, help="tokens per answer")

@@ -50,12 +50,17 @@ class TrainConfig:
     num_prompts: int = 768  # answers generated (the prompt list cycled, each answer with its own seed)
     gen_tokens: int = 192
     minutes: float = 25.0  # wall-clock budget for the whole run
+    max_steps: int | None = None  # optimizer steps; training stops at whichever comes first, this or the budget
     lr: float = 5e-4
     depths: int = 2  # prediction depths trained (the layer applied recursively, as drafting applies it)
     holdout: float = 0.1
     draft_vocab: int = 4096  # drafts come from the most frequent tokens of the training text (0: all)
     seed: int = 0
     threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be at least 1 (or None for the time budget alone), got {self.max_steps}")
 
 
 @dataclass(frozen=True)
@@ -239,14 +244,15 @@ def train(model: str | None, out_dir: str | None, cfg: TrainConfig) -> str:
     steps, epoch, rng = 0, 0, random.Random(cfg.seed)
     estimate = None
     bar = tqdm(desc="train MTP", unit="seq", leave=False)
-    while time.perf_counter() < deadline:
+    limit = cfg.max_steps if cfg.max_steps is not None else 10**12
+    while time.perf_counter() < deadline and steps < limit:
         rng.shuffle(train_idx)
         for i in train_idx:
             now = time.perf_counter()
-            if now >= deadline:
+            if now >= deadline or steps >= limit:
                 break
             if steps == 20:  # cosine decay over the steps the remaining time allows at the measured pace
-                estimate = 20 + int((deadline - now) / ((now - first) / 19))
+                estimate = min(limit, 20 + int((deadline - now) / ((now - first) / 19)))
             for group in optim.param_groups:
                 group["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, steps / (estimate or 10**9))))
             loss, _ = _loss(mtp, samples[i], cfg.depths)

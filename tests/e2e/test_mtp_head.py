@@ -25,7 +25,8 @@ def tiny_with_head(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     save_tiny(transformers.LlamaForCausalLM, config, path, seed=5)
     head = train(str(path), str(tmp_path_factory.mktemp("head")),
-                 TrainConfig(num_prompts=24, gen_tokens=48, minutes=1.5, threads=1, draft_vocab=64))
+                 TrainConfig(num_prompts=24, gen_tokens=48, minutes=1.5, max_steps=200, threads=1,
+                             draft_vocab=64))
     return str(path), head
 
 
@@ -42,7 +43,7 @@ def test_train_mtp_writes_a_head_for_its_model(tiny_with_head):
     _, head = tiny_with_head
     meta = json.load(open(os.path.join(head, "mtp.json")))
     assert meta["hidden_size"] == 128 and meta["vocab_size"] == 128 and meta["num_hidden_layers"] == 2
-    assert meta["train"]["steps"] > 0 and 0 <= meta["train"]["heldout_top1_agreement"] <= 1
+    assert meta["train"]["steps"] == 200 and 0 <= meta["train"]["heldout_top1_agreement"] <= 1
     per_depth = meta["train"]["heldout_agreement_per_depth"]
     assert len(per_depth) == meta["train"]["depths"] == 2 and all(0 <= a <= 1 for a in per_depth)
     assert len(meta["draft_vocab"]) == 64 and meta["draft_vocab"] == sorted(set(meta["draft_vocab"]))
@@ -84,3 +85,8 @@ def test_a_head_for_another_model_is_refused(tiny_with_head):
     _, head = tiny_with_head
     with pytest.raises(ValueError, match="was trained for"):
         LLM(kv_cache_memory=8 << 20, speculative_method="mtp", draft=head)
+
+
+def test_a_step_limit_below_one_is_refused():
+    with pytest.raises(ValueError, match="max_steps must be at least 1"):
+        TrainConfig(max_steps=0)
