@@ -6,6 +6,7 @@ figures are medians over repeats, and the ratio is the median of the per-repeat 
 
     python benchmarks/determinism.py                          # 64 requests, prompts 32..256, outputs 32..64, 3 repeats
     python benchmarks/determinism.py --batch-sizes 1,32,64    # decode tokens/s at fixed concurrency, off vs on
+    python benchmarks/determinism.py --batch-sizes 1,32,64 --dtype float32    # the same on dense float32 weights
     python benchmarks/determinism.py --ops                    # per-op timings on SmolLM2's shapes (where time goes)
 """
 from __future__ import annotations
@@ -45,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-prompt-len", type=int, default=128)
     parser.add_argument("--ops", action="store_true", help="per-op timings instead of the engine")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--dtype", default=None, help="e.g. float32 (dense weights); default: the model's default "
+                        "compute (a GGUF's own blocks)")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes per engine (default 1 GiB)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON path; default benchmarks/results/determinism-<time>.json")
@@ -60,7 +63,7 @@ def _median_ratio(on: list[float], off: list[float]) -> float:
 
 
 def run_engine(args: argparse.Namespace, token_ids: list[int]) -> dict[str, Any]:
-    options = {"kv_cache_memory": args.kv_cache_memory}
+    options = {"kv_cache_memory": args.kv_cache_memory, **({"dtype": args.dtype} if args.dtype else {})}
     if args.batch_sizes:
         options["max_num_seqs"] = max(128, max(args.batch_sizes))
     runners = {mode: DeepinferRunner(args.model, args.threads, {**options, "batch_invariant": on})

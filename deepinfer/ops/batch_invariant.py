@@ -13,6 +13,8 @@ fixed by construction:
   a shorter tile (``SHORT_TILES``, an F.linear call) only where a probe at load found that tile's rows bitwise equal
   to the full packed tile's at several thread counts (``short_tiles``): a decode of a few rows then costs a 4- or
   8-row GEMM, not a 32-row one. Whether it holds is MKL's choice per shape and CPU, so it is measured, never assumed.
+  Where deepinfer's compiled CPU ops exist, float32 layers use neither: ``dense_linear`` (csrc/dense_linear.cpp)
+  computes each output as one fma chain in k order, invariant by construction at any row count (``pack_panels``).
 - ``fold_sum`` (RMSNorm, softmax, log_softmax, attention's sums): a pairwise tree over the last dimension made of
   elementwise adds, whose pairs depend only on the row length. An elementwise add is one IEEE addition whatever
   kernel, thread or device runs it. max needs no order (it is exact), so ``amax`` is used as is.
@@ -101,6 +103,15 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), ROW_TILE)
     except (AttributeError, RuntimeError):  # a torch build without the MKL packed-GEMM ops
         return None
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A [N, K] float32 weight as the compiled ``dense_linear`` reads it: [ceil(N / 16), K, 16], zero rows past N.
+    That kernel computes each output as one chain of fused multiply-adds in k order, invariant by construction;
+    it replaces the tiles below wherever the compiled CPU ops exist (transforms/batch_invariant.py)."""
+    n, k = weight.shape
+    panels = -(-n // 16)
+    return F.pad(weight.detach().float(), (0, 0, 0, 16 * panels - n)).view(panels, 16, k).transpose(1, 2).contiguous()
 
 
 def short_tiles(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> tuple[int, ...]:

@@ -104,7 +104,7 @@ class InProcessExecutor(Executor):
             raise ValueError("speculative_method='mtp' needs MTP layers: this checkpoint has none; train a head with "
                              "`deepinfer train-mtp` and pass draft=PATH (--speculative-draft)")
         if self.config.batch_invariant:
-            make_batch_invariant(model.mtp)
+            make_batch_invariant(model.mtp, ops)
         if ops is not None and self.dtype == torch.float32 and self.config.fused_ops:
             enable_fused_ops(model.mtp, ops, exact_only=self.config.batch_invariant)
 

@@ -63,7 +63,7 @@ def build_model(hf_config: dict, weights, dtype: str, device: str, max_positions
     if batch_invariant:  # a transform after build: model files stay unchanged (quantized layers already are)
         from deepinfer.transforms.batch_invariant import make_batch_invariant
 
-        make_batch_invariant(model)
+        make_batch_invariant(model, ops)
     if fused_glue and ops is not None:
         enable_fused_ops(model, ops, exact_only=batch_invariant)
     if torch_dtype == torch.bfloat16 and device == "cpu" and not batch_invariant:

@@ -14,6 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x @ dequant(W)^T on packed block-quantized weights", nogil);
   m.def("quant_rows", &quant_rows, "dequantized rows of packed block-quantized weights (embedding lookup)", nogil);
   m.def("isa", &isa, "the instruction set this build computes with");
+  m.def("dense_linear", &dense_linear, "x @ W^T (+ b) on [P, K, 16] float32 panels, one fma chain in k order per output",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, optionally after residual += x", py::arg("x"), py::arg("weight"),
         py::arg("eps"), py::arg("offset"), py::arg("residual") = py::none(), nogil);
   m.def("act_and_mul", &act_and_mul, "act(gate) * up for [T, 2I] rows (0: SiLU, 1: GELU tanh)", nogil);
