@@ -6,7 +6,7 @@ its position through its sequence's block table, which is what the module path's
 the same bits either way; what it removes is Python between the ops and a thread fork per op (about two thirds of a
 batch-1 decode step's time outside the matrix products). Steps with a prefill chunk that has nothing cached and
 passes PAGED_PREFILL_MAX tokens (there the module path uses torch's attention on the fresh K/V of its full-attention
-layers), and the batch-invariant mode, take the module path.
+layers) take the module path. The batch-invariant mode takes the stack too: each of its rows is computed on its own.
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ class DecodeStack:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The final-normed hidden states of the step's rows, or None where the module path must run."""
         ctx = get_forward_context()
-        if ctx.batch_invariant or ctx.cpu_kernels is None or x.dim() != 2 or x.dtype != torch.float32:
+        if ctx.cpu_kernels is None or x.dim() != 2 or x.dtype != torch.float32:
             return None
         k_cache, v_cache = ctx.kv_caches[self.cache_index[0]]
         if k_cache.dtype not in KERNEL_CACHES or v_cache.dtype != k_cache.dtype:

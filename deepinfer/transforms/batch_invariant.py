@@ -54,10 +54,11 @@ class InvariantRMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, self.offset)
 
 
-def make_batch_invariant(model: nn.Module, ops: ModuleType | None = None) -> nn.Module:
+def make_batch_invariant(model: nn.Module, ops: ModuleType | None = None, norms: bool = True) -> nn.Module:
     """Swaps every Linear, nn.Linear (lm_head included) and RMSNorm of a built model for its invariant form, in
     place. Model files stay unchanged. With the compiled CPU ops (`ops`), float32 linear layers run on their
-    fma-chain kernel; otherwise on fixed-height GEMM tiles.
+    fma-chain kernel; otherwise on fixed-height GEMM tiles. norms=False leaves RMSNorm as it is, for the caller to
+    point at the compiled row norm (transforms/fused_ops.py), which is invariant as it stands.
 
     Raises ValueError for layers whose reductions have no invariant form yet (MLA, MoE routing and combine).
     """
@@ -70,7 +71,7 @@ def make_batch_invariant(model: nn.Module, ops: ModuleType | None = None) -> nn.
         for name, child in list(parent.named_children()):
             if isinstance(child, (Linear, nn.Linear)):
                 setattr(parent, name, InvariantLinear(child.weight, child.bias, probed, ops))
-            elif isinstance(child, RMSNorm):
+            elif norms and isinstance(child, RMSNorm):
                 setattr(parent, name, InvariantRMSNorm(child))
     chains = sum(isinstance(m, InvariantLinear) and m.ops is not None for m in model.modules())
     if chains:

@@ -4,8 +4,8 @@ Llama-family or Gemma 3 model on quantized weights gets its decode stack (layers
 layers in one call; so does an MTP draft layer whose block is such a layer (its drafting rows in one call).
 
 Rotary and the cache write give the same bits as the torch ops they replace. The norm and the activation round
-differently (a fixed per-row order, C exp / tanh), so the batch-invariant mode, whose reproducibility promise is
-tied to its own kernels, takes only the bit-exact two (and no decode stack, which uses all four).
+differently (a fixed per-row order, C exp / tanh). Every op here computes a row on its own in a fixed order, so
+the batch-invariant mode takes all of them, the decode stack included, in place of its torch-level fold norm.
 """
 from __future__ import annotations
 
@@ -28,15 +28,15 @@ from deepinfer.spec.mtp import MTPLayer
 logger = logging.getLogger("deepinfer")
 
 
-def enable_fused_ops(model: nn.Module, ops: ModuleType, exact_only: bool = False) -> int:
+def enable_fused_ops(model: nn.Module, ops: ModuleType) -> int:
     """Points every supported layer at `ops`, in place; returns how many layers changed."""
-    kinds = (RotaryEmbedding, Attention) if exact_only else (RotaryEmbedding, Attention, RMSNorm, ActAndMul)
+    kinds = (RotaryEmbedding, Attention, RMSNorm, ActAndMul)
     changed = 0
     for module in model.modules():
         if type(module) in kinds:
             module.ops = ops
             changed += 1
-    if not exact_only and hasattr(ops, "DecodeStack"):
+    if hasattr(ops, "DecodeStack"):
         for module in model.modules():
             if isinstance(module, (LlamaModel, Gemma3Model)):
                 _attach_stack(ops, module, [_parts(layer) for layer in module.layers], module.norm,

@@ -73,7 +73,7 @@ class InProcessExecutor(Executor):
         logger.info("compiled CPU ops: %s", "off (DEEPINFER_CPU_KERNELS=0 or not a CPU)" if ops is None else
                     f"{ops.isa()}; quantized linear layers: {'yes' if compute.quantization else 'no'}; fused "
                     f"norm / activation / rotary / cache write: {'yes' if glue else 'no (DEEPINFER_FUSED_OPS=0 or dtype ' + compute.dtype + ')'}"
-                    f"{' (rotary and cache write only: batch-invariant mode)' if glue and config.batch_invariant else ''}")
+                    f"{' (one row each: batch invariant as they stand)' if glue and config.batch_invariant else ''}")
         if compute.quantization is not None and ops is None:
             logger.info("quantized layers compute on dequantized float32 weights (no compiled ops)")
         weights = iter_weights(files, self.dtype, keep_quantized=compute.quantization == "gguf")
@@ -103,10 +103,11 @@ class InProcessExecutor(Executor):
         if getattr(model, "mtp", None) is None:
             raise ValueError("speculative_method='mtp' needs MTP layers: this checkpoint has none; train a head with "
                              "`deepinfer train-mtp` and pass draft=PATH (--speculative-draft)")
+        glue = ops is not None and self.dtype == torch.float32 and self.config.fused_ops
         if self.config.batch_invariant:
-            make_batch_invariant(model.mtp, ops)
-        if ops is not None and self.dtype == torch.float32 and self.config.fused_ops:
-            enable_fused_ops(model.mtp, ops, exact_only=self.config.batch_invariant)
+            make_batch_invariant(model.mtp, ops, norms=not glue)
+        if glue:
+            enable_fused_ops(model.mtp, ops)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return self.model.kv_cache_specs()

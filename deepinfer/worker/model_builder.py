@@ -63,9 +63,9 @@ def build_model(hf_config: dict, weights, dtype: str, device: str, max_positions
     if batch_invariant:  # a transform after build: model files stay unchanged (quantized layers already are)
         from deepinfer.transforms.batch_invariant import make_batch_invariant
 
-        make_batch_invariant(model, ops)
-    if fused_glue and ops is not None:
-        enable_fused_ops(model, ops, exact_only=batch_invariant)
+        make_batch_invariant(model, ops, norms=not (fused_glue and ops is not None))
+    if fused_glue and ops is not None:  # per-row ops: batch invariant as they stand, the decode stack included
+        enable_fused_ops(model, ops)
     if torch_dtype == torch.bfloat16 and device == "cpu" and not batch_invariant:
         if native_bf16(cpu_isa_flags()):
             logger.info("bfloat16: %d linear layers pre-packed for oneDNN", prepack_bf16_linears(model))

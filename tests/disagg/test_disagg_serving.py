@@ -122,6 +122,11 @@ def test_killing_a_prefill_replica_loses_no_request(deployment, tiny_model):
     fallbacks = d["decode"].handoffs("fallback")
     with RouterThread({"prefill": [d["doomed"].url, d["direct"].url], "decode": [d["decode"].url]},
                       model=tiny_model) as router, concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replicas = router.router.pools["prefill"].replicas
+        deadline = time.monotonic() + 10  # the router is up once one replica of a pool is: wait for both
+        while not all(r.routable for r in replicas) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert all(r.routable for r in replicas), [r.health for r in replicas]
         d["doomed"].process.send_signal(signal.SIGSTOP)  # requests routed to it now wait there
         futures = [pool.submit(ask, router.url, "/v1/completions", b, i % 2 == 0) for i, b in enumerate(bodies)]
         orphan = pool.submit(ask, d["decode"].url, "/v1/completions", {**unseen, "kv_transfer_params": held}, True)
