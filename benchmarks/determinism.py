@@ -142,6 +142,7 @@ def run_ops(args: argparse.Namespace) -> dict[str, Any]:
 
     from deepinfer.layers.attention import Attention
     from deepinfer.ops import batch_invariant as bi
+    from deepinfer.ops import cpu_ops
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from tests.ops.attention_harness import Cache, random_sequence, step
@@ -161,13 +162,17 @@ def run_ops(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{op:<34}{size:>6} {row['default_ms']:>9.3f} ms {row['invariant_ms']:>9.3f} ms {row['ratio']:>7.2f}x", flush=True)
 
     print(f"{'op':<34}{'rows':>6} {'default':>12} {'invariant':>12} {'ratio':>8}")
+    ops = cpu_ops.load()  # float32 layers run on its fma-chain kernel where it exists; else on the 32-row tiles
     for name, (n, k) in {"linear qkv 576->960": (960, 576), "linear gate_up 576->3072": (3072, 576),
                          "linear down 1536->576": (576, 1536), "lm_head 576->49152": (49152, 576)}.items():
         w = torch.randn(n, k, generator=gen)
-        packed = bi.pack_weight(w)
-        for m in (1, 32, 64, 512):
+        packed, panels = bi.pack_weight(w), bi.pack_panels(w)
+        short = bi.short_tiles(w, None, packed)
+        for m in (1, 8, 32, 64, 512):
             x = torch.randn(m, k, generator=gen)
-            record(name, m, lambda: F.linear(x, w), lambda: bi.linear(x, w, None, packed))
+            record(name + " (tiles)", m, lambda: F.linear(x, w), lambda: bi.linear(x, w, None, packed, short))
+            if ops is not None:
+                record(name + " (kernel)", m, lambda: F.linear(x, w), lambda: ops.dense_linear(x, panels, n, None))
     norm_w = torch.randn(576, generator=gen)
     for m in (32, 512):
         x = torch.randn(m, 576, generator=gen)
