@@ -18,12 +18,10 @@ from deepinfer.layers.moe import MoEStep, moe_step
 from deepinfer.models.loader import ModelFiles, iter_weights
 from deepinfer.ops import cpu_attention, cpu_ops
 from deepinfer.spec.mtp_head import load_head
-from deepinfer.transforms.batch_invariant import make_batch_invariant
-from deepinfer.transforms.fused_ops import enable_fused_ops
 from deepinfer.transforms.quantize import finalize_quantized, prepare_quantized
 from deepinfer.worker.host_memory import keep_freed_memory
 from deepinfer.worker.kv_transfer import KVBlockTransfer
-from deepinfer.worker.model_builder import TORCH_DTYPES, build_model
+from deepinfer.worker.model_builder import TORCH_DTYPES, build_model, compute_layers
 from deepinfer.worker.runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -81,13 +79,13 @@ class InProcessExecutor(Executor):
                                  batch_invariant=config.batch_invariant, quantization=compute.quantization,
                                  ops=ops, fused_glue=glue)
         self.quantized = compute.quantization is not None
-        self._prepare_mtp(files, ops)
+        self._prepare_mtp(files, ops, glue)
         self.runner: ModelRunner | None = None
         if compute.device == "cpu":  # once loaded: the loading's large temporaries were returned to the kernel
             logger.info("host memory: %s", keep_freed_memory() if config.keep_host_memory else
                         "glibc's defaults (DEEPINFER_KEEP_HOST_MEMORY=0)")
 
-    def _prepare_mtp(self, files: ModelFiles, ops) -> None:
+    def _prepare_mtp(self, files: ModelFiles, ops, glue: bool) -> None:
         """With MTP drafts: the checkpoint's MTP layers or a trained head (spec.draft), transformed like the model;
         otherwise no MTP layer is kept (it would hold KV for nothing)."""
         spec, model = self.config.spec, self.model
@@ -103,11 +101,7 @@ class InProcessExecutor(Executor):
         if getattr(model, "mtp", None) is None:
             raise ValueError("speculative_method='mtp' needs MTP layers: this checkpoint has none; train a head with "
                              "`deepinfer train-mtp` and pass draft=PATH (--speculative-draft)")
-        glue = ops is not None and self.dtype == torch.float32 and self.config.fused_ops
-        if self.config.batch_invariant:
-            make_batch_invariant(model.mtp, ops, norms=not glue)
-        if glue:
-            enable_fused_ops(model.mtp, ops)
+        compute_layers(model.mtp, ops, self.config.batch_invariant, glue)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         return self.model.kv_cache_specs()

@@ -8,6 +8,7 @@ import torch
 
 from deepinfer.models.registry import model_class
 from deepinfer.ops.cpu_ops import cpu_isa_flags
+from deepinfer.transforms.batch_invariant import make_batch_invariant
 from deepinfer.transforms.fused_ops import enable_fused_ops
 from deepinfer.transforms.onednn import native_bf16, prepack_bf16_linears
 from deepinfer.transforms.quantize import finalize_quantized, prepare_quantized
@@ -39,6 +40,17 @@ def architecture_of(hf_config: dict) -> str:
     return archs[0]
 
 
+def compute_layers(module: torch.nn.Module, ops: ModuleType | None, batch_invariant: bool, fused_glue: bool) -> None:
+    """Points a built model (or its MTP layers) at what computes them, in place: the batch-invariant forms (linear
+    layers; norms where the fused ops do not take them) and the fused compiled ops, per-row and so batch invariant
+    as they stand, the decode stack included. Model files stay unchanged (quantized layers already are)."""
+    glue = fused_glue and ops is not None
+    if batch_invariant:
+        make_batch_invariant(module, ops, norms=not glue)
+    if glue:
+        enable_fused_ops(module, ops)
+
+
 def build_model(hf_config: dict, weights, dtype: str, device: str, max_positions: int,
                 batch_invariant: bool = False, quantization: str | None = None, ops: ModuleType | None = None,
                 fused_glue: bool = False) -> torch.nn.Module:
@@ -60,12 +72,7 @@ def build_model(hf_config: dict, weights, dtype: str, device: str, max_positions
     for name, param in model.named_parameters():  # buffers (RoPE tables) stay float32
         if not (keep and name.endswith(keep)):
             param.data = param.data.to(torch_dtype)
-    if batch_invariant:  # a transform after build: model files stay unchanged (quantized layers already are)
-        from deepinfer.transforms.batch_invariant import make_batch_invariant
-
-        make_batch_invariant(model, ops, norms=not (fused_glue and ops is not None))
-    if fused_glue and ops is not None:  # per-row ops: batch invariant as they stand, the decode stack included
-        enable_fused_ops(model, ops)
+    compute_layers(model, ops, batch_invariant, fused_glue)
     if torch_dtype == torch.bfloat16 and device == "cpu" and not batch_invariant:
         if native_bf16(cpu_isa_flags()):
             logger.info("bfloat16: %d linear layers pre-packed for oneDNN", prepack_bf16_linears(model))

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from deepinfer.ops import batch_invariant as bi
 from deepinfer.ops import cpu_ops
 
+from .test_quant_linear import _isa_builds  # the lower builds this CPU can run
+
 
 def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
@@ -78,11 +80,6 @@ def test_bad_shapes_are_refused(kernels):
         kernels.dense_linear(torch.zeros(1, 8), panels, 20, torch.zeros(3))
     with pytest.raises(RuntimeError, match="x must be float32"):
         kernels.dense_linear(torch.zeros(1, 8, dtype=torch.float64), panels, 20, None)
-
-
-def _isa_builds() -> list[str]:
-    flags = cpu_ops.cpu_isa_flags()
-    return ["generic"] + (["avx2"] if {"avx2", "fma", "f16c"} <= flags else [])
 
 
 @pytest.mark.parametrize("isa", _isa_builds())

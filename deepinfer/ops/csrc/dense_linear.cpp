@@ -69,24 +69,21 @@ void tile(const float* x, int64_t K, const float* w, int64_t pstride, const floa
 }
 #endif
 
-// rows [0, M) against one item of kPanels panels (its last may lie past the packed weight: np < kPanels)
+// the last rows (fewer than kRows): the same chain per output, MR rows at once
+template <int MR, int NP>
+void tail(const float* x, int64_t rows, int64_t K, const float* w, int64_t pstride, const float* bias, float* out,
+          int64_t ldo, int64_t cols) {
+  if (rows == MR) return tile<MR, NP>(x, K, w, pstride, bias, out, ldo, cols);
+  if constexpr (MR > 1) tail<MR - 1, NP>(x, rows, K, w, pstride, bias, out, ldo, cols);
+}
+
+// rows [0, M) against one item of NP panels (the last item may hold fewer than kPanels)
 template <int NP>
 void item_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t pstride, const float* bias, float* out,
                int64_t ldo, int64_t cols) {
   int64_t m = 0;
   for (; m + kRows <= M; m += kRows) tile<kRows, NP>(x + m * K, K, w, pstride, bias, out + m * ldo, ldo, cols);
-  switch (M - m) {  // the last rows: the same chain per output, fewer rows at once
-#if defined(__AVX512F__)
-    case 7: return tile<7, NP>(x + m * K, K, w, pstride, bias, out + m * ldo, ldo, cols);
-    case 6: return tile<6, NP>(x + m * K, K, w, pstride, bias, out + m * ldo, ldo, cols);
-    case 5: return tile<5, NP>(x + m * K, K, w, pstride, bias, out + m * ldo, ldo, cols);
-    case 4: return tile<4, NP>(x + m * K, K, w, pstride, bias, out + m * ldo, ldo, cols);
-#endif
-    case 3: return tile<3, NP>(x + m * K, K, w, pstride, bias, out + m * ldo, ldo, cols);
-    case 2: return tile<2, NP>(x + m * K, K, w, pstride, bias, out + m * ldo, ldo, cols);
-    case 1: return tile<1, NP>(x + m * K, K, w, pstride, bias, out + m * ldo, ldo, cols);
-    default: return;
-  }
+  if (m < M) tail<kRows - 1, NP>(x + m * K, M - m, K, w, pstride, bias, out + m * ldo, ldo, cols);
 }
 
 }  // namespace
