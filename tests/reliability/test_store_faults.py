@@ -97,7 +97,9 @@ def test_one_weight_apart_models_never_share_blocks_in_a_shared_store(tiny_model
 
 def test_redis_killed_and_restarted_under_load(tiny_model, reference, redis_server):
     llm = LLM(tiny_model, kv_store="redis", kv_store_url=redis_server.url, **ENGINE)
-    llm.engine.kv_store.store.retry_after = 0.2  # reconnect within the test's few seconds
+    # reconnect within the test's few seconds: the quiet window doubles per failure in a row up to max_retry_after
+    # (a CI run counted 35 connection errors while the server was down and was still quiet after the restart)
+    llm.engine.kv_store.store.retry_after = llm.engine.kv_store.store.max_retry_after = 0.2
     try:
         assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
         assert llm.engine.kv_store.flush(timeout=30)
