@@ -19,6 +19,8 @@ static inline void prefetch_kv_row(const KV* k, const KV* v) {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include "reduce16_avx512.h"  // hsum16
+
 // Scores 16 at a time: lanes past `count` masked off in the last piece only (whole pieces are loaded and stored
 // unmasked: a masked store is slow and is not forwarded to a load that follows it). Each lane's value is the same.
 static inline __mmask16 tail_mask(int64_t left) {
@@ -88,22 +90,6 @@ static inline void load_pieces(const uint8_t* row, __m512* out) {
 }
 template <int DIM, typename KV>
 static inline void load_row(const KV* row, __m512* out) { load_pieces<DIM / 16>(row, out); }
-
-// The 16 horizontal sums of v[0..16) as one register: lane i = v[i][0] + ... + v[i][15], by a tree of in-lane
-// unpacks and 128-bit lane shuffles (~2 shuffles and 1 add per key instead of 4 and 4 for one reduction per key).
-static inline __m512 hsum16(const __m512* v) {
-  __m512 s[8], t[4], u[2];
-  for (int j = 0; j < 8; ++j)  // per 128-bit lane: [v2j 0+2, v2j+1 0+2, v2j 1+3, v2j+1 1+3]
-    s[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-  for (int j = 0; j < 4; ++j) {  // per 128-bit lane: the four vectors 4j..4j+3, each summed over that lane
-    const __m512d a = _mm512_castps_pd(s[2 * j]), b = _mm512_castps_pd(s[2 * j + 1]);
-    t[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int j = 0; j < 2; ++j)  // lanes 0+1 and 2+3 of t[2j], then of t[2j+1]
-    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-}
 
 // scores[i] = scale * (q . k_i) for the n <= 16 keys widened into wide[i * DIM ..]: each key's 16 partial products
 // (one chain of FMAs over the DIM / 16 pieces) summed by one hsum16 into 16 scores, a lane's bits depending on its own

@@ -116,6 +116,7 @@ inline void prefetch_ahead(const uint8_t* rec, const ST* s, const ST* o) {
 
 #if defined(DI_AVX512)
 #include "quant_tile_avx512.h"
+#include "quantize_row_avx512.h"
 
 #elif defined(DI_AVX2)
 #include "quant_tile_avx2.h"
@@ -153,8 +154,11 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
 void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, int32_t* xs, float* xt) {
   const int64_t nb = K / 32;
 #if defined(DI_AVX512)
+  int64_t b0 = 0;
+  for (; b0 + 16 <= nb; b0 += 16)
+    quantize_16_blocks(x + 32 * b0, xq + 32 * b0, xd + b0, xs + 2 * b0, xt + 2 * b0, xt + K / 16 + b0);
   const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-  for (int64_t b0 = 0; b0 < nb; b0 += 16) {  // 16 blocks: their maxima, then their d and 1/d in one division each
+  for (; b0 < nb; b0 += 16) {  // the last blocks: their maxima, then their d and 1/d in one division each
     const int n = (int)std::min<int64_t>(16, nb - b0);
     alignas(64) float amax[16] = {0.f};
     for (int i = 0; i < n; ++i) {
