@@ -156,37 +156,10 @@ void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, int32_t* xs,
 #if defined(DI_AVX512)
   int64_t b0 = 0;
   for (; b0 + 16 <= nb; b0 += 16)
-    quantize_16_blocks(x + 32 * b0, xq + 32 * b0, xd + b0, xs + 2 * b0, xt + 2 * b0, xt + K / 16 + b0);
-  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-  for (; b0 < nb; b0 += 16) {  // the last blocks: their maxima, then their d and 1/d in one division each
-    const int n = (int)std::min<int64_t>(16, nb - b0);
-    alignas(64) float amax[16] = {0.f};
-    for (int i = 0; i < n; ++i) {
-      const float* v = x + 32 * (b0 + i);
-      const __m512 a = _mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(v), absmask), _mm512_setzero_ps());
-      amax[i] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(v + 16), absmask), a));
-    }
-    const __m512 d = _mm512_div_ps(_mm512_load_ps(amax), _mm512_set1_ps(127.f));
-    const __mmask16 pos = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_GT_OQ);
-    alignas(64) float dd[16], id[16];
-    _mm512_store_ps(dd, d);
-    _mm512_store_ps(id, _mm512_maskz_div_ps(pos, _mm512_set1_ps(1.f), d));
-    for (int i = 0; i < n; ++i) {
-      const int64_t b = b0 + i;
-      const __m512 inv = _mm512_set1_ps(id[i]);
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * b), inv));
-      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * b + 16), inv));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 32 * b), _mm512_cvtepi32_epi8(q0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
-      const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
-      xd[b] = dd[i];
-      xs[2 * b] = s0;
-      xs[2 * b + 1] = s1;
-      xt[2 * b] = dd[i] * (float)s0;
-      xt[2 * b + 1] = dd[i] * (float)s1;
-      xt[K / 16 + b] = dd[i] * (float)(s0 + s1);
-    }
-  }
+    quantize_blocks<true>(x + 32 * b0, xq + 32 * b0, xd + b0, xs + 2 * b0, xt + 2 * b0, xt + K / 16 + b0, 16);
+  if (b0 < nb)
+    quantize_blocks<false>(x + 32 * b0, xq + 32 * b0, xd + b0, xs + 2 * b0, xt + 2 * b0, xt + K / 16 + b0,
+                           (int)(nb - b0));
 #else
   for (int64_t b = 0; b < nb; ++b) {
     const float* v = x + 32 * b;
