@@ -17,17 +17,14 @@ static inline void quantize_blocks(const float* x, int8_t* xq, float* xd, int32_
   if (FULL) n = 16;
   const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   __m512 mx[16];
-  __m512i q0[16], q1[16];
-  for (int i = n; i < 16; ++i) {
-    mx[i] = _mm512_setzero_ps();
-    q0[i] = q1[i] = _mm512_setzero_si512();
-  }
+  __m512i q0[16], q1[16];  // registers past n are read as zeros (not stored: a loop of stores became a memset)
   for (int i = 0; i < n; ++i) {
     const float* v = x + 32 * i;
     const __m512 a = _mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(v), absmask), _mm512_setzero_ps());
     mx[i] = _mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(v + 16), absmask), a);
   }
-  const __m512 d = _mm512_div_ps(hmax16(mx), _mm512_set1_ps(127.f));
+  const __m512 d = _mm512_div_ps(hmax16([&](int i) { return FULL || i < n ? mx[i] : _mm512_setzero_ps(); }),
+                                 _mm512_set1_ps(127.f));
   const __mmask16 pos = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_GT_OQ);
   alignas(64) float id[16];
   _mm512_store_ps(id, _mm512_maskz_div_ps(pos, _mm512_set1_ps(1.f), d));
@@ -42,7 +39,9 @@ static inline void quantize_blocks(const float* x, int8_t* xq, float* xd, int32_
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 32 * i), _mm512_cvtepi32_epi8(q0[i]));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 32 * i + 16), _mm512_cvtepi32_epi8(q1[i]));
   }
-  const __m512i s0 = hsum16_epi32(q0), s1 = hsum16_epi32(q1);  // lane i: block i's first and second 16 values
+  const __m512i s0 = hsum16_epi32([&](int i) { return FULL || i < n ? q0[i] : _mm512_setzero_si512(); });
+  const __m512i s1 = hsum16_epi32([&](int i) { return FULL || i < n ? q1[i] : _mm512_setzero_si512(); });
+  // lane i of s0, s1: block i's first and second 16 values' sums
   const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
   _mm512_mask_storeu_epi32(xs, first, _mm512_permutex2var_epi32(s0, lo, s1));  // xs[2b] = s0, xs[2b + 1] = s1
