@@ -120,6 +120,7 @@ inline void prefetch_ahead(const uint8_t* rec, const ST* s, const ST* o) {
 
 #elif defined(DI_AVX2)
 #include "quant_tile_avx2.h"
+#include "quantize_row_avx2.h"
 
 #else
 template <int MT, int BITS, int G, typename ST, bool AFF>
@@ -153,10 +154,11 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
 // A NaN is skipped by the max in both (std::max(acc, NaN) keeps acc; vmaxps returns its second operand).
 void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, int32_t* xs, float* xt) {
   const int64_t nb = K / 32;
-#if defined(DI_AVX512)
+#if defined(DI_AVX512) || defined(DI_AVX2)
   int64_t b0 = 0;
-  for (; b0 + 16 <= nb; b0 += 16)
-    quantize_blocks<true>(x + 32 * b0, xq + 32 * b0, xd + b0, xs + 2 * b0, xt + 2 * b0, xt + K / 16 + b0, 16);
+  for (; b0 + kRoundBlocks <= nb; b0 += kRoundBlocks)
+    quantize_blocks<true>(x + 32 * b0, xq + 32 * b0, xd + b0, xs + 2 * b0, xt + 2 * b0, xt + K / 16 + b0,
+                          kRoundBlocks);
   if (b0 < nb)
     quantize_blocks<false>(x + 32 * b0, xq + 32 * b0, xd + b0, xs + 2 * b0, xt + 2 * b0, xt + K / 16 + b0,
                            (int)(nb - b0));

@@ -9,6 +9,8 @@
 
 #include "reduce16_avx512.h"
 
+constexpr int kRoundBlocks = 16;  // blocks per call
+
 // x, xq: the n x 32 values (n = 16 where FULL); xd: the n blocks' d; xs, xt16: their 2n sums per 16 values and
 // offset factors; xt32: the n offset factors per 32 values. Lanes past n compute on zeros and are not stored.
 template <bool FULL>
