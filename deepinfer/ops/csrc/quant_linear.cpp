@@ -150,8 +150,9 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
 
 // One row of x rounded to int8 per 32 values, no FMA contraction. The block's max is exact in any order, the
 // divisions are IEEE in a vector as in a scalar, and rounding to nearest even then converting is what
-// nearbyint then (int) does: the AVX-512 body gives the portable body's bits (tests/ops compares the builds).
-// A NaN is skipped by the max in both (std::max(acc, NaN) keeps acc; vmaxps returns its second operand).
+// nearbyint then (int) does: the AVX-512 and AVX2 bodies (quantize_row_avx512.h, quantize_row_avx2.h) give the
+// portable body's bits (tests/ops compares the builds). A NaN is skipped by the max in all three
+// (std::max(acc, NaN) keeps acc; vmaxps returns its second operand).
 void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, int32_t* xs, float* xt) {
   const int64_t nb = K / 32;
 #if defined(DI_AVX512) || defined(DI_AVX2)
