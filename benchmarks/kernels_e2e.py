@@ -7,7 +7,10 @@ speed only: the two engines' greedy tokens must be equal (checked).
     python benchmarks/kernels_e2e.py --old /tmp/old/deepinfer/ops/csrc --shapes 64x512x1
 
 A shape is requests x prompt tokens x output tokens (random ordinary token ids, greedy, EOS ignored); rounds
-alternate which engine runs first; medians of --rounds.
+alternate which engine runs first; medians of --rounds, and the median and range of each round's old / new ratio
+(the pair ran back to back: drift cancels). Run it once with --old pointing at the current sources to see this
+machine's noise: at stop 41 the same sources on both sides read 1.025x at batch 64, and four runs of a ~4% change
+read 0.94-1.08x.
 """
 from __future__ import annotations
 
@@ -70,12 +73,17 @@ def main() -> None:
         if tokens["old"] != tokens["new"]:
             sys.exit(f"{batch}x{prompt}x{out}: the two builds' tokens differ")
         old, new = (statistics.median(times[n]) for n in ("old", "new"))
+        # each round's pair ran back to back, so its ratio cancels the machine's slow drift (+-15% within an hour
+        # here) that a ratio of medians keeps; the spread of the pairs says how far to trust the median
+        pairs = sorted(o / n for o, n in zip(times["old"], times["new"]))
         rate = batch * out if out > 1 else batch * prompt  # output tokens/s, or prompt tokens/s for prefill shapes
         points.append({"batch": batch, "prompt": prompt, "output": out, "old_s": old, "new_s": new,
-                       "old_tok_s": rate / old, "new_tok_s": rate / new, "speedup": old / new})
+                       "old_tok_s": rate / old, "new_tok_s": rate / new, "speedup": old / new,
+                       "paired_speedup": statistics.median(pairs), "paired_range": [pairs[0], pairs[-1]]})
         kind = "output" if out > 1 else "prompt"
         print(f"{batch:3d} x {prompt:4d} in x {out:4d} out: {kind} tok/s old {rate / old:8.1f} new {rate / new:8.1f} "
-              f"({old / new:.3f}x), tokens equal", flush=True)
+              f"({old / new:.3f}x; paired {statistics.median(pairs):.3f}x, {pairs[0]:.3f}-{pairs[-1]:.3f}), "
+              "tokens equal", flush=True)
     write_json({"benchmark": "kernels_e2e", "machine": machine_info(args.threads), "old": args.old,
                 "points": points}, args.out)
     print(f"wrote {args.out}")
