@@ -9,8 +9,8 @@ speed only: the two engines' greedy tokens must be equal (checked).
 A shape is requests x prompt tokens x output tokens (random ordinary token ids, greedy, EOS ignored); rounds
 alternate which engine runs first; medians of --rounds, and the median and range of each round's old / new ratio
 (the pair ran back to back: drift cancels). Run it once with --old pointing at the current sources to see this
-machine's noise: at stop 41 the same sources on both sides read 1.025x at batch 64, and four runs of a ~4% change
-read 0.94-1.08x.
+machine's noise: at stop 41 the same sources on both sides read 1.003x and 1.025x at batch 64, and five runs of a
+~4% change read 0.94-1.08x.
 """
 from __future__ import annotations
 

@@ -166,6 +166,6 @@ def test_every_instruction_set_build_gives_the_native_bits(kernels, isa):
         packed = ql.pack(canonical(qtype, random_blocks(qtype, 40, k, seed=5), (40, k)))
         x = torch.randn(11, k, generator=torch.Generator().manual_seed(6))
         x[1, 32:64] = 0.0  # a block whose d is 0
-        x[2, 5], x[3, k - 3], x[4, 40] = 3e38, float("inf"), float("nan")  # d overflows to inf; a NaN is dropped
+        x[2, 5], x[3, k - 3], x[4, 40] = 3e38, float("inf"), float("nan")  # near float max; d = inf; NaN dropped
         ours, theirs = ql.linear(kernels, x, packed), ql.linear(other, x, packed)
         assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), qtype.name
