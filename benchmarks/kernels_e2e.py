@@ -5,6 +5,7 @@ speed only: the two engines' greedy tokens must be equal (checked).
     git archive b3feb5d deepinfer/ops/csrc | tar -x -C /tmp/old
     python benchmarks/kernels_e2e.py --old /tmp/old/deepinfer/ops/csrc                  # batch 64 / 16 / 1, prompts
     python benchmarks/kernels_e2e.py --old /tmp/old/deepinfer/ops/csrc --shapes 64x512x1
+    python benchmarks/kernels_e2e.py --old /tmp/old/deepinfer/ops/csrc --model gemma3-270m --shapes 1x128x256
 
 A shape is requests x prompt tokens x output tokens (random ordinary token ids, greedy, EOS ignored); rounds
 alternate which engine runs first; medians of --rounds, and the median and range of each round's old / new ratio
@@ -24,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_info, ordinary_token_ids, random_requests, write_json  # noqa: E402
 
 
-def engine_on(ops, threads: int, max_seqs: int):
+def engine_on(ops, model: str | None, threads: int, max_seqs: int):
     """An LLM whose executor loads `ops` (None: the current sources) as its compiled CPU ops."""
     from deepinfer import LLM
     from deepinfer.ops import cpu_ops
@@ -33,7 +34,7 @@ def engine_on(ops, threads: int, max_seqs: int):
     if ops is not None:
         cpu_ops.load = lambda isa="native": ops
     try:
-        return LLM(num_threads=threads, max_num_seqs=max_seqs, enable_prefix_caching=False)
+        return LLM(model=model, num_threads=threads, max_num_seqs=max_seqs, enable_prefix_caching=False)
     finally:
         cpu_ops.load = current
 
@@ -42,6 +43,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", required=True, help="a copy of deepinfer/ops/csrc from the commit to compare with")
     parser.add_argument("--shapes", default="64x128x128,16x128x128,1x128x128,64x128x1,1x512x1")
+    parser.add_argument("--model", default=None, help="a .gguf file, a bundled name (gemma3-270m) or a Hugging Face "
+                        "directory; default: the bundled SmolLM2")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--out", default="benchmarks/results/kernels_e2e.json")
@@ -55,7 +58,7 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     old_ops = cpu_ops.build("deepinfer_kernels_e2e_old", list(cpu_ops.ISA_FLAGS["native"]), args.old)
     max_seqs = max(16, max(b for b, _, _ in shapes))
-    engines = {"old": engine_on(old_ops, args.threads, max_seqs), "new": engine_on(None, args.threads, max_seqs)}
+    engines = {name: engine_on(ops, args.model, args.threads, max_seqs) for name, ops in (("old", old_ops), ("new", None))}
     ids = ordinary_token_ids(engines["new"].get_tokenizer())
     points = []
     for batch, prompt, out in shapes:
@@ -84,7 +87,7 @@ def main() -> None:
         print(f"{batch:3d} x {prompt:4d} in x {out:4d} out: {kind} tok/s old {rate / old:8.1f} new {rate / new:8.1f} "
               f"({old / new:.3f}x; paired {statistics.median(pairs):.3f}x, {pairs[0]:.3f}-{pairs[-1]:.3f}), "
               "tokens equal", flush=True)
-    write_json({"benchmark": "kernels_e2e", "machine": machine_info(args.threads), "old": args.old,
+    write_json({"benchmark": "kernels_e2e", "machine": machine_info(args.threads), "model": args.model, "old": args.old,
                 "points": points}, args.out)
     print(f"wrote {args.out}")
 

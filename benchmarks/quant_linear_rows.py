@@ -32,8 +32,12 @@ from deepinfer.ops import quant_linear as ql  # noqa: E402
 SHAPES = {
     "qkv": (960, 576, "q4_1"), "o": (576, 576, "q4_1"), "gate_up": (3072, 576, "q4_1"), "down": (576, 1536, "q4_1"),
     "head": (49152, 576, "q8_0"),
+    # Gemma 3 270M's Q5_0 layers (fused q|k|v where all three are Q5_0, gate|up) and its tied Q8_0 head (178 MB:
+    # larger than the caches, so it runs at the memory bandwidth at 1 row)
+    "g_qkv": (1536, 640, "q5_0"), "g_gate_up": (4096, 640, "q5_0"), "g_head": (262144, 640, "q8_0"),
 }
-FORMATS = {"q4_1": ql.QuantFormat(4, 32, "float16", True), "q8_0": ql.QuantFormat(8, 32, "float16", False, c=-128)}
+FORMATS = {"q4_1": ql.QuantFormat(4, 32, "float16", True), "q8_0": ql.QuantFormat(8, 32, "float16", False, c=-128),
+           "q5_0": ql.QuantFormat(5, 32, "float16", False, c=-16)}
 
 
 def variant_module(spec: str, index: int):

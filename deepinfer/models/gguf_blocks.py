@@ -81,10 +81,10 @@ def canonical(qtype: QType, raw: np.ndarray, shape: tuple[int, int]) -> Canonica
                     _f16(blocks[:, 2:4]))
     if qtype == QType.Q5_0:
         u = _nibbles32(blocks[:, 6:]) | (_high_bits32(blocks[:, 2:6]) << 4)
-        return done(QuantFormat(8, 32, "float16", False, -16), u, _f16(blocks[:, :2]), None)
+        return done(QuantFormat(5, 32, "float16", False, -16), u, _f16(blocks[:, :2]), None)
     if qtype == QType.Q5_1:
         u = _nibbles32(blocks[:, 8:]) | (_high_bits32(blocks[:, 4:8]) << 4)
-        return done(QuantFormat(8, 32, "float16", True), u, _f16(blocks[:, :2]), _f16(blocks[:, 2:4]))
+        return done(QuantFormat(5, 32, "float16", True), u, _f16(blocks[:, :2]), _f16(blocks[:, 2:4]))
     if qtype == QType.Q8_0:
         u = (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         return done(QuantFormat(8, 32, "float16", False, -128), u, _f16(blocks[:, :2]), None)
@@ -97,7 +97,7 @@ def canonical(qtype: QType, raw: np.ndarray, shape: tuple[int, int]) -> Canonica
             shifts = np.arange(8, dtype=np.uint8).reshape(4, 2, 1)  # [chunk, half, 1]
             high = (qh[:, None, None, :] >> shifts) & 1  # [B, 4, 2, 32]
             u = u | (high.reshape(-1, 256) << 4)
-        fmt = QuantFormat(4 if qtype == QType.Q4_K else 8, 32, "float32", True)
+        fmt = QuantFormat(4 if qtype == QType.Q4_K else 5, 32, "float32", True)
         return done(fmt, u, d * sc.astype(np.float32), -(dmin * mn.astype(np.float32)))
     # Q6_K
     ql, qh = blocks[:, :128].reshape(-1, 2, 64), blocks[:, 128:192].reshape(-1, 2, 32)

@@ -22,14 +22,14 @@ ROWS_PER_BLOCK = 16  # output rows interleaved in one packed record (the lanes o
 
 @dataclass(frozen=True)
 class QuantFormat:
-    bits: int  # 4 (two quants per byte) or 8
+    bits: int  # 4 (two quants per byte), 5 (4-bit quants plus a plane of high bits: GGUF Q5_0 / Q5_1 / Q5_K) or 8
     group: int  # values per scale along K: 32, or 16 (GGUF Q6_K)
     scale_dtype: str  # "float16" (exact for GGUF's legacy types) or "float32" (K-types' products d * sub-scale)
     affine: bool  # offsets stored per group; else offset = c * scale
     c: int = 0  # symmetric formats: w = scale * (u + c)
 
     def __post_init__(self) -> None:
-        if (self.bits, self.group) not in ((4, 32), (8, 32), (8, 16)):
+        if (self.bits, self.group) not in ((4, 32), (5, 32), (8, 32), (8, 16)):
             raise ValueError(f"unsupported quantized format: {self.bits}-bit quants in groups of {self.group}")
         if self.scale_dtype not in ("float16", "float32"):
             raise ValueError(f"scale_dtype must be float16 or float32, got {self.scale_dtype!r}")
@@ -100,7 +100,9 @@ def unify(parts: list[Canonical]) -> Canonical:
 
 
 def pack(w: Canonical) -> PackedWeight:
-    """The kernel's interleaved layout: per 16 output rows and group, 64-byte pieces with 4 bytes per row."""
+    """The kernel's interleaved layout: per 16 output rows and group, 64-byte pieces with 4 bytes per row; 5-bit
+    quants are their low 4 bits in the 4-bit layout followed by the high bits, 8 bytes per 64-byte register of
+    nibbles (bit i for byte i: the low nibbles' register, then the high nibbles', per piece)."""
     fmt, (n, k) = w.fmt, w.u.shape
     g = fmt.group
     if k % 32 or k % g:
@@ -114,8 +116,13 @@ def pack(w: Canonical) -> PackedWeight:
         rec = blocks.reshape(nb, ng, ROWS_PER_BLOCK, g // 4, 4).transpose(0, 1, 3, 2, 4)
     else:  # piece p: row j, values 8p + b (low nibble) and 8p + 4 + b (high nibble)
         v = blocks.reshape(nb, ng, ROWS_PER_BLOCK, g // 8, 2, 4)
-        rec = (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(0, 1, 3, 2, 4)
+        nib = v & 0x0F
+        rec = (nib[..., 0, :] | (nib[..., 1, :] << 4)).transpose(0, 1, 3, 2, 4)
     quants = np.ascontiguousarray(rec).reshape(nb, ng, -1)
+    if fmt.bits == 5:  # [piece, nibble, row j, b] -> bit 4j + b of the piece's low / high-nibble mask
+        high = (v >> 4).transpose(0, 1, 3, 4, 2, 5).reshape(nb, ng, g // 8, 2, 64)
+        plane = np.packbits(high, axis=-1, bitorder="little").reshape(nb, ng, -1)
+        quants = np.concatenate([quants, plane], axis=2)
     sdt = np.float16 if fmt.scale_dtype == "float16" else np.float32
 
     def lanes(values: np.ndarray) -> torch.Tensor:

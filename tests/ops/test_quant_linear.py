@@ -77,18 +77,26 @@ def test_kernel_matches_reference(kernels, qtype, n):
         check_close(ql.linear(kernels, x, packed), x, w)
 
 
-def test_rows_equal_gguf_dequantization(kernels):
-    raw = random_blocks(QType.Q8_0, 48, 64, seed=3)
-    packed = ql.pack(canonical(QType.Q8_0, raw, (48, 64)))
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q5_0, QType.Q4_0], ids=lambda t: t.name)
+def test_rows_equal_gguf_dequantization(kernels, qtype):
+    raw = random_blocks(qtype, 48, 64, seed=3)
+    packed = ql.pack(canonical(qtype, raw, (48, 64)))
     ids = torch.tensor([[0, 17], [47, 5]])
     got = ql.rows(kernels, ids, packed)
     assert got.shape == (2, 2, 64)
-    assert np.array_equal(got.numpy(), gguf_dequantize(QType.Q8_0, raw, 48, 64)[ids.numpy()])
+    assert np.array_equal(got.numpy(), gguf_dequantize(qtype, raw, 48, 64)[ids.numpy()])
     with pytest.raises(RuntimeError, match="out of range"):
         ql.rows(kernels, torch.tensor([48]), packed)
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0, QType.Q6_K], ids=lambda t: t.name)
+def test_five_bit_quants_keep_their_size():
+    """Q5_0 stays 5 bits a weight plus its fp16 scale, as in the file (22 bytes per 32 values), not widened to 8."""
+    raw = random_blocks(QType.Q5_0, 32, 256, seed=4)
+    packed = ql.pack(canonical(QType.Q5_0, raw, (32, 256)))
+    assert packed.fmt.bits == 5 and packed.nbytes == raw.size
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.Q6_K], ids=lambda t: t.name)
 def test_a_row_alone_equals_the_row_in_any_batch_and_thread_count(kernels, qtype):
     n, k = 48, 512
     packed = ql.pack(canonical(qtype, random_blocks(qtype, n, k, seed=7), (n, k)))
@@ -162,7 +170,7 @@ def test_every_instruction_set_build_gives_the_native_bits(kernels, isa):
         assert other.isa() == isa
     # K / 32 activation blocks of 3, 2, 8, 12, 18 (16 + 2) and 16: every lane count of the rounding's 16-block steps
     for qtype, k in ((QType.Q4_1, 96), (QType.Q8_0, 64), (QType.Q6_K, 256), (QType.Q4_K, 256), (QType.Q4_1, 384),
-                     (QType.Q8_0, 576), (QType.Q4_K, 512)):
+                     (QType.Q8_0, 576), (QType.Q4_K, 512), (QType.Q5_0, 96), (QType.Q5_K, 256)):
         packed = ql.pack(canonical(qtype, random_blocks(qtype, 40, k, seed=5), (40, k)))
         x = torch.randn(11, k, generator=torch.Generator().manual_seed(6))
         x[1, 32:64] = 0.0  # a block whose d is 0

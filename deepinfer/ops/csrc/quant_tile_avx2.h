@@ -10,13 +10,23 @@ template <> inline __m256 load8<uint16_t>(const uint16_t* p) {
 // Integer dot products without VNNI, the exact int32 sums VNNI's dpbusd gives. maddubs multiplies u8 by s8 and
 // adds pairs into saturating int16:
 // - 4-bit quants (0..15): a pair is at most 2 * 15 * 127 = 3810, so four pieces' products (8 maddubs, <= 30480) add
-//   up in int16 before one madd widens them;
+//   up in int16 before one madd widens them; 5-bit quants (0..31, a pair <= 7874): two pieces (<= 31496);
 // - 8-bit quants u (0..255) would overflow a pair; u - 128 (u ^ 0x80) is a signed byte whose magnitude (<= 128)
 //   times a sign-adjusted x (<= 127) keeps a pair within 32512 (llama.cpp's trick), and the group's sum gets
 //   128 * sum(x) added back: sum u x = sum (u - 128) x + 128 sum x, exactly.
 #if !defined(DI_AVXVNNI)
 inline __m256i widen16(__m256i s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
 #endif
+
+// 32 fifth bits of a 5-bit record (the bytes of one half of a register of nibbles) as 16 in each byte whose bit is
+// set: byte i takes mask byte i / 8 (a shuffle within each 128-bit lane) and tests bit i % 8.
+inline __m256i fifth_bits(const uint8_t* p) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(load_i32(reinterpret_cast<const int8_t*>(p))), spread);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(16));
+}
 
 template <int MT, int BITS, int G, typename ST, bool AFF>
 void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
@@ -32,12 +42,17 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
       if (half == 0) prefetch_ahead<QB>(q + g * QB, s + g * 16, AFF ? o + g * 16 : nullptr);
       __m256i isum[MT];
       for (int m = 0; m < MT; ++m) isum[m] = _mm256_setzero_si256();
-      if (BITS == 4) {
+      if (BITS == 4 || BITS == 5) {
+        const uint8_t* fifth = q + g * QB + 256 + 4 * half;  // + 16p: piece p's low nibbles' bits, + 8 the high's
 #if defined(DI_AVXVNNI)
         for (int p = 0; p < G / 8; ++p) {
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p));
-          const __m256i wl = _mm256_and_si256(w, low);
-          const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+          __m256i wl = _mm256_and_si256(w, low);
+          __m256i wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+          if (BITS == 5) {
+            wl = _mm256_or_si256(wl, fifth_bits(fifth + 16 * p));
+            wh = _mm256_or_si256(wh, fifth_bits(fifth + 16 * p + 8));
+          }
           for (int m = 0; m < MT; ++m) {
             const int8_t* x = xq + m * K + k0 + 8 * p;
             isum[m] = _mm256_dpbusd_avx_epi32(isum[m], wl, _mm256_set1_epi32(load_i32(x)));
@@ -45,13 +60,18 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
           }
         }
 #else
-        for (int p0 = 0; p0 < G / 8; p0 += 4) {
+        constexpr int PW = BITS == 4 ? 4 : 2;  // pieces summed in int16 before widening (see above)
+        for (int p0 = 0; p0 < G / 8; p0 += PW) {
           __m256i s16[MT];
           for (int m = 0; m < MT; ++m) s16[m] = _mm256_setzero_si256();
-          for (int p = p0; p < std::min(p0 + 4, G / 8); ++p) {
+          for (int p = p0; p < std::min(p0 + PW, G / 8); ++p) {
             const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p));
-            const __m256i wl = _mm256_and_si256(w, low);
-            const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+            __m256i wl = _mm256_and_si256(w, low);
+            __m256i wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+            if (BITS == 5) {
+              wl = _mm256_or_si256(wl, fifth_bits(fifth + 16 * p));
+              wh = _mm256_or_si256(wh, fifth_bits(fifth + 16 * p + 8));
+            }
             for (int m = 0; m < MT; ++m) {
               const int8_t* x = xq + m * K + k0 + 8 * p;
               s16[m] = _mm256_add_epi16(s16[m], _mm256_add_epi16(

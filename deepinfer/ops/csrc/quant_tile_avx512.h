@@ -24,6 +24,28 @@ inline __m512i dot_bcast(__m512i isum, __m512i w, const int8_t* x) {
 #endif
 }
 
+// 64 fifth bits of a 5-bit record's register of nibbles as a byte mask.
+inline __mmask64 fifth_bits(const uint8_t* p) {
+  uint64_t m;
+  std::memcpy(&m, p, 8);
+  return _cvtu64_mask64(m);
+}
+
+// ng 5-bit group records (32 values) -> the same quants as ng 8-bit records: piece p's low nibbles are the 8-bit
+// record's piece 2p, its high nibbles piece 2p + 1.
+inline void widen5(const uint8_t* q, int64_t ng, uint8_t* out) {
+  const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+  for (int64_t g = 0; g < ng; ++g, q += 320, out += 512) {
+    for (int line = 0; line < 320; line += 64) _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetch * 320 + line), _MM_HINT_T0);
+    for (int p = 0; p < 4; ++p) {
+      const __m512i w = _mm512_loadu_si512(q + 64 * p);
+      const __m512i wl = _mm512_and_si512(w, low), wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+      _mm512_storeu_si512(out + 128 * p, _mm512_mask_add_epi8(wl, fifth_bits(q + 256 + 16 * p), wl, sixteen));
+      _mm512_storeu_si512(out + 128 * p + 64, _mm512_mask_add_epi8(wh, fifth_bits(q + 264 + 16 * p), wh, sixteen));
+    }
+  }
+}
+
 // MT activation rows x 16 output rows: out[m * ldo + 0..15].
 template <int MT, int BITS, int G, typename ST, bool AFF>
 void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
@@ -38,11 +60,16 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
     prefetch_ahead<QB>(rec, s + g * 16, AFF ? o + g * 16 : nullptr);
     __m512i isum[MT];
     for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
-    if (BITS == 4) {
+    if (BITS == 4 || BITS == 5) {
       for (int p = 0; p < G / 8; ++p) {
         const __m512i w = _mm512_loadu_si512(rec + 64 * p);
-        const __m512i wl = _mm512_and_si512(w, low);
-        const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        __m512i wl = _mm512_and_si512(w, low);
+        __m512i wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        if (BITS == 5) {  // + 16 in the bytes whose fifth bit is set (a masked byte add)
+          const __m512i sixteen = _mm512_set1_epi8(16);
+          wl = _mm512_mask_add_epi8(wl, fifth_bits(rec + 256 + 16 * p), wl, sixteen);
+          wh = _mm512_mask_add_epi8(wh, fifth_bits(rec + 256 + 16 * p + 8), wh, sixteen);
+        }
         for (int m = 0; m < MT; ++m) {
           const int8_t* x = xq + m * K + k0 + 8 * p;
           isum[m] = dot_bcast(isum[m], wl, x);
