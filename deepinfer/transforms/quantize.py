@@ -15,6 +15,7 @@ from torch import nn
 
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.quantized import QUANT_MODES, QuantizedEmbedding, QuantizedLinear
+from deepinfer.ops.huge_pages import ArenaReport, move_to_huge_pages
 from deepinfer.ops.quant_linear import unify
 
 logger = logging.getLogger("deepinfer")
@@ -26,6 +27,16 @@ class QuantSummary:
     quantized: int  # layers swapped
     dense: tuple[str, ...]  # layers left dense, and why
     weight_bytes: int = 0  # packed bytes after finalize
+    arena: ArenaReport | None = None  # where the packed tensors went (huge pages or not)
+
+    def pages(self) -> str:
+        """For the start-up log: how much of the packed weights the kernel put in 2 MiB pages."""
+        a = self.arena
+        if a is None or a.tensors == 0:
+            return "4 KiB pages"
+        if a.huge_bytes < 0:
+            return f"huge pages asked for (THP {a.mode}; granted: unknown)"
+        return f"{min(a.huge_bytes, a.nbytes) / 2**20:.0f} of {a.nbytes / 2**20:.0f} MiB in 2 MiB pages (THP {a.mode})"
 
 
 def prepare_quantized(model: nn.Module, mode: str, kernels: ModuleType | None) -> QuantSummary:
@@ -60,11 +71,16 @@ def prepare_quantized(model: nn.Module, mode: str, kernels: ModuleType | None) -
 
 
 def finalize_quantized(model: nn.Module, summary: QuantSummary) -> QuantSummary:
-    """Packs every loaded quantized weight (a tied head shares its embedding's); returns the summary with bytes."""
-    seen, total = set(), 0
+    """Packs every loaded quantized weight (a tied head shares its embedding's) and moves the packed tensors into
+    huge pages (ops/huge_pages.py); returns the summary with bytes."""
+    seen, total, tensors = set(), 0, []
     for module in model.modules():
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and id(module.weight) not in seen:
             seen.add(id(module.weight))
             module.weight.finalize(unify)
             total += module.weight.nbytes
-    return QuantSummary(summary.mode, summary.quantized, summary.dense, total)
+            if module.weight.packed is not None:
+                packed = module.weight.packed
+                tensors += [packed.quants, packed.scales, packed.offsets]
+    arena = move_to_huge_pages(tensors)
+    return QuantSummary(summary.mode, summary.quantized, summary.dense, total, arena)

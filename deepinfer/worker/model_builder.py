@@ -66,8 +66,9 @@ def build_model(hf_config: dict, weights, dtype: str, device: str, max_positions
     model.load_weights(weights)
     if summary is not None:
         summary = finalize_quantized(model, summary)
-        logger.info("quantization %s: %d layers on packed blocks (%.1f MiB)%s", summary.mode, summary.quantized,
-                    summary.weight_bytes / 2**20, f"; dense: {', '.join(summary.dense)}" if summary.dense else "")
+        logger.info("quantization %s: %d layers on packed blocks (%.1f MiB; %s)%s", summary.mode, summary.quantized,
+                    summary.weight_bytes / 2**20, summary.pages(),
+                    f"; dense: {', '.join(summary.dense)}" if summary.dense else "")
     keep = getattr(model, "fp32_param_suffixes", ())
     for name, param in model.named_parameters():  # buffers (RoPE tables) stay float32
         if not (keep and name.endswith(keep)):

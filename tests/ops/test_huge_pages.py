@@ -1,0 +1,43 @@
+"""Weights moved into huge pages keep their values, their tensor objects and what the kernels compute from them."""
+import numpy as np
+import pytest
+import torch
+
+from deepinfer.ops import huge_pages
+from deepinfer.ops import quant_linear as ql
+
+
+def test_moved_tensors_keep_values_and_identity():
+    tensors = [torch.arange(1000, dtype=torch.float32), torch.randint(0, 255, (3, 77), dtype=torch.uint8),
+               torch.randn(5, 3, dtype=torch.float64), torch.empty(0)]
+    before = [t.clone() for t in tensors]
+    ids = [id(t) for t in tensors]
+    old_ptrs = [t.data_ptr() for t in tensors[:3]]
+    report = huge_pages.move_to_huge_pages(tensors)
+    assert [id(t) for t in tensors] == ids
+    for t, b in zip(tensors, before):
+        assert t.dtype == b.dtype and t.shape == b.shape and t.is_contiguous() and torch.equal(t, b)
+    assert all(t.data_ptr() != p and t.data_ptr() % 64 == 0 for t, p in zip(tensors[:3], old_ptrs))
+    assert report.tensors == 3 and report.nbytes == 4000 + 231 + 120
+    assert report.mode in ("always", "madvise", "never", "unknown")
+    # one mapping: each tensor lies after the previous one, within a few cache lines
+    ptrs = [t.data_ptr() for t in tensors[:3]]
+    assert ptrs[0] < ptrs[1] < ptrs[2] < ptrs[0] + 4000 + 231 + 2 * 64
+    tensors[0].add_(1)  # still writable memory of its own
+    assert torch.equal(tensors[0], before[0] + 1) and torch.equal(tensors[1], before[1])
+
+
+def test_the_kernels_compute_the_same_bits_from_moved_weights(kernels):
+    rng = np.random.default_rng(0)
+    u = rng.integers(0, 32, size=(48, 256), dtype=np.uint8)
+    s = (rng.random((48, 8), dtype=np.float32) * 0.01).astype(np.float16).astype(np.float32)
+    packed = ql.pack(ql.Canonical(ql.QuantFormat(5, 32, "float16", False, -16), u, s, None))
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1))
+    want = ql.linear(kernels, x, packed)
+    huge_pages.move_to_huge_pages([packed.quants, packed.scales, packed.offsets])
+    assert torch.equal(ql.linear(kernels, x, packed), want)
+
+
+def test_only_contiguous_cpu_tensors_are_taken():
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        huge_pages.move_to_huge_pages([torch.zeros(4, 6).t()])
