@@ -260,6 +260,8 @@ class EngineConfig:
     # on the CPU, glibc's malloc keeps freed memory for the next step (worker/host_memory.py;
     # DEEPINFER_KEEP_HOST_MEMORY=0: glibc's defaults)
     keep_host_memory: bool = True
+    # quantized weights in 2 MiB pages where the kernel grants them (ops/huge_pages.py; DEEPINFER_HUGE_PAGES=0: off)
+    huge_pages: bool = True
 
     @classmethod
     def from_kwargs(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> EngineConfig:
@@ -300,6 +302,8 @@ class EngineConfig:
             top["fused_ops"] = _env_flag(env, "DEEPINFER_FUSED_OPS", True)
         if "keep_host_memory" not in top:
             top["keep_host_memory"] = _env_flag(env, "DEEPINFER_KEEP_HOST_MEMORY", True)
+        if "huge_pages" not in top:
+            top["huge_pages"] = _env_flag(env, "DEEPINFER_HUGE_PAGES", True)
         if "enable_mtp_varlen" not in top:
             top["enable_mtp_varlen"] = _env_flag(env, "DEEPINFER_ENABLE_MTP_VARLEN", True)
         return cls(

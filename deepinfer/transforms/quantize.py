@@ -33,7 +33,7 @@ class QuantSummary:
         """For the start-up log: how much of the packed weights the kernel put in 2 MiB pages."""
         a = self.arena
         if a is None or a.tensors == 0:
-            return "4 KiB pages"
+            return "4 KiB pages" + (" (DEEPINFER_HUGE_PAGES=0)" if a is None else "")
         if a.huge_bytes < 0:
             return f"huge pages asked for (THP {a.mode}; granted: unknown)"
         return f"{min(a.huge_bytes, a.nbytes) / 2**20:.0f} of {a.nbytes / 2**20:.0f} MiB in 2 MiB pages (THP {a.mode})"
@@ -70,9 +70,9 @@ def prepare_quantized(model: nn.Module, mode: str, kernels: ModuleType | None) -
     return QuantSummary(mode, swapped, tuple(dense))
 
 
-def finalize_quantized(model: nn.Module, summary: QuantSummary) -> QuantSummary:
-    """Packs every loaded quantized weight (a tied head shares its embedding's) and moves the packed tensors into
-    huge pages (ops/huge_pages.py); returns the summary with bytes."""
+def finalize_quantized(model: nn.Module, summary: QuantSummary, huge_pages: bool = True) -> QuantSummary:
+    """Packs every loaded quantized weight (a tied head shares its embedding's) and, with huge_pages, moves the
+    packed tensors into 2 MiB pages (ops/huge_pages.py); returns the summary with bytes."""
     seen, total, tensors = set(), 0, []
     for module in model.modules():
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and id(module.weight) not in seen:
@@ -82,5 +82,5 @@ def finalize_quantized(model: nn.Module, summary: QuantSummary) -> QuantSummary:
             if module.weight.packed is not None:
                 packed = module.weight.packed
                 tensors += [packed.quants, packed.scales, packed.offsets]
-    arena = move_to_huge_pages(tensors)
+    arena = move_to_huge_pages(tensors) if huge_pages else None
     return QuantSummary(summary.mode, summary.quantized, summary.dense, total, arena)

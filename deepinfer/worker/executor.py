@@ -50,11 +50,11 @@ class Executor(ABC):
         """Releases the workers; the executor is not used afterwards."""
 
 
-def _int8_before_load(ops):
+def _int8_before_load(ops, huge_pages: bool):
     """The quantization transform as load_head's hook: swaps before the weights load, packs after."""
     def prepare(mtp):
         summary = prepare_quantized(mtp, "int8", ops)
-        return lambda module: finalize_quantized(module, summary)
+        return lambda module: finalize_quantized(module, summary, huge_pages)
     return prepare
 
 
@@ -77,7 +77,7 @@ class InProcessExecutor(Executor):
         weights = iter_weights(files, self.dtype, keep_quantized=compute.quantization == "gguf")
         self.model = build_model(files.hf_config, weights, compute.dtype, compute.device, max_model_len,
                                  batch_invariant=config.batch_invariant, quantization=compute.quantization,
-                                 ops=ops, fused_glue=glue)
+                                 ops=ops, fused_glue=glue, huge_pages=config.huge_pages)
         self.quantized = compute.quantization is not None
         self._prepare_mtp(files, ops, glue)
         self.runner: ModelRunner | None = None
@@ -95,7 +95,7 @@ class InProcessExecutor(Executor):
             return
         if spec.draft is not None:
             # a quantized model drafts with an int8 head
-            prepare = _int8_before_load(ops) if self.quantized and ops is not None else None
+            prepare = _int8_before_load(ops, self.config.huge_pages) if self.quantized and ops is not None else None
             meta = load_head(model, spec.draft, files.hf_config, prepare)
             logger.info("MTP head from %s (trained for %s)", spec.draft, meta.base_model)
         if getattr(model, "mtp", None) is None:

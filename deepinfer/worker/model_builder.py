@@ -53,10 +53,11 @@ def compute_layers(module: torch.nn.Module, ops: ModuleType | None, batch_invari
 
 def build_model(hf_config: dict, weights, dtype: str, device: str, max_positions: int,
                 batch_invariant: bool = False, quantization: str | None = None, ops: ModuleType | None = None,
-                fused_glue: bool = False) -> torch.nn.Module:
+                fused_glue: bool = False, huge_pages: bool = True) -> torch.nn.Module:
     """quantization: None (dense weights in dtype) or a transforms/quantize.py mode; its layers compute with the
     compiled ops (ops/cpu_ops.py), or on dequantized float32 weights when `ops` is None. fused_glue: norms,
-    activations, rotary and cache writes through the compiled ops too (transforms/fused_ops.py)."""
+    activations, rotary and cache writes through the compiled ops too (transforms/fused_ops.py). huge_pages: packed
+    weights in 2 MiB pages (ops/huge_pages.py)."""
     klass = model_class(architecture_of(hf_config))
     config = hf_config_object(hf_config)
     torch_dtype = TORCH_DTYPES[dtype]
@@ -65,7 +66,7 @@ def build_model(hf_config: dict, weights, dtype: str, device: str, max_positions
     summary = prepare_quantized(model, quantization, ops) if quantization else None
     model.load_weights(weights)
     if summary is not None:
-        summary = finalize_quantized(model, summary)
+        summary = finalize_quantized(model, summary, huge_pages)
         logger.info("quantization %s: %d layers on packed blocks (%.1f MiB; %s)%s", summary.mode, summary.quantized,
                     summary.weight_bytes / 2**20, summary.pages(),
                     f"; dense: {', '.join(summary.dense)}" if summary.dense else "")

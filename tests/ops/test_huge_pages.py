@@ -41,3 +41,28 @@ def test_the_kernels_compute_the_same_bits_from_moved_weights(kernels):
 def test_only_contiguous_cpu_tensors_are_taken():
     with pytest.raises(ValueError, match="contiguous CPU tensors"):
         huge_pages.move_to_huge_pages([torch.zeros(4, 6).t()])
+
+
+def test_the_engine_option_and_its_environment_switch():
+    from deepinfer.config import EngineConfig
+
+    assert EngineConfig.from_kwargs(env={}).huge_pages is True
+    assert EngineConfig.from_kwargs(env={"DEEPINFER_HUGE_PAGES": "0"}).huge_pages is False
+    assert EngineConfig.from_kwargs(env={"DEEPINFER_HUGE_PAGES": "0"}, huge_pages=True).huge_pages is True
+
+
+def test_engines_with_and_without_huge_pages_give_the_same_tokens(caplog):
+    from deepinfer import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    tokens = {}
+    for huge in (False, True):
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            llm = LLM(huge_pages=huge, num_threads=2, max_num_seqs=4)
+        log = "\n".join(r.getMessage() for r in caplog.records if "packed blocks" in r.getMessage())
+        assert ("2 MiB pages" in log) == huge and ("DEEPINFER_HUGE_PAGES=0" in log) == (not huge), log
+        tokens[huge] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+    assert tokens[True] == tokens[False]

@@ -32,11 +32,12 @@ inline __mmask64 fifth_bits(const uint8_t* p) {
 }
 
 // ng 5-bit group records (32 values) -> the same quants as ng 8-bit records: piece p's low nibbles are the 8-bit
-// record's piece 2p, its high nibbles piece 2p + 1.
+// record's piece 2p, its high nibbles piece 2p + 1. The records are asked for kPrefetch groups ahead, as tile() does.
 inline void widen5(const uint8_t* q, int64_t ng, uint8_t* out) {
   const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   for (int64_t g = 0; g < ng; ++g, q += 320, out += 512) {
-    for (int line = 0; line < 320; line += 64) _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetch * 320 + line), _MM_HINT_T0);
+    for (int line = 0; line < 320; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetch * 320 + line), _MM_HINT_T0);
     for (int p = 0; p < 4; ++p) {
       const __m512i w = _mm512_loadu_si512(q + 64 * p);
       const __m512i wl = _mm512_and_si512(w, low), wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
