@@ -60,6 +60,15 @@ def _huge_bytes(address: int) -> int:
     return -1
 
 
+def _advise(buf: mmap.mmap, start: int) -> None:
+    """madvise(MADV_HUGEPAGE) from `start` to the end; a kernel built without transparent huge pages refuses it
+    (EINVAL), and the memory then has 4 KiB pages, as torch's own."""
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE, start, len(buf) - start)
+    except OSError:
+        pass
+
+
 def _arena(sizes: list[int]) -> tuple[torch.Tensor, list[int], int]:
     """One anonymous private mapping advised for huge pages, holding `sizes` bytes at cache-line offsets: (its bytes
     as a uint8 tensor, each piece's offset, where the first 2 MiB boundary lies)."""
@@ -73,7 +82,7 @@ def _arena(sizes: list[int]) -> tuple[torch.Tensor, list[int], int]:
     buf = mmap.mmap(-1, -(-size // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = torch.frombuffer(buf, dtype=torch.uint8)  # keeps `buf` alive as long as any tensor uses it
     skip = (-base.data_ptr()) % HUGE_PAGE
-    buf.madvise(mmap.MADV_HUGEPAGE, skip, len(buf) - skip)  # before the first touch: faults then take 2 MiB pages
+    _advise(buf, skip)  # before the first touch: faults then take 2 MiB pages
     return base, [skip + off for off in offsets], skip
 
 
