@@ -115,6 +115,27 @@ def random_requests(count: int, prompt_lens: tuple[int, int], output_lens: tuple
     return requests
 
 
+def take_turns(engines: dict[str, Any], prompts: list, params: Any, rounds: int
+               ) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
+    """Each round runs every engine once on the same requests, the order reversed every other round, so each
+    round's runs are back to back: (seconds per engine per round, each engine's last output token ids)."""
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    tokens: dict[str, list[list[int]]] = {}
+    for r in range(rounds):
+        for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
+            start = time.perf_counter()
+            outs = engines[name].generate(prompts, params, use_tqdm=False)
+            times[name].append(time.perf_counter() - start)
+            tokens[name] = [o.outputs[0].token_ids for o in outs]
+    return times, tokens
+
+
+def paired_ratios(slow: list[float], fast: list[float]) -> list[float]:
+    """Sorted per-round ratios slow / fast of take_turns' times: each pair ran back to back, so its ratio cancels
+    the machine's slow drift (+-15% within an hour here) that a ratio of medians keeps."""
+    return sorted(a / b for a, b in zip(slow, fast))
+
+
 def workload_summary(requests: Sequence[BenchRequest]) -> dict[str, int]:
     prompts = [len(r.prompt_token_ids) for r in requests]
     outputs = [r.output_len for r in requests]

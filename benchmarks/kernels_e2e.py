@@ -19,10 +19,10 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_info, ordinary_token_ids, random_requests, write_json  # noqa: E402
+from common import (machine_info, ordinary_token_ids, paired_ratios, random_requests, take_turns,  # noqa: E402
+                    write_json)
 
 
 def engine_on(ops, model: str | None, threads: int, max_seqs: int):
@@ -65,20 +65,11 @@ def main() -> None:
         reqs = random_requests(batch, (prompt, prompt), (1, 1), ids, batch)
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=out)
-        times: dict[str, list[float]] = {"old": [], "new": []}
-        tokens = {}
-        for r in range(args.rounds):
-            for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
-                start = time.perf_counter()
-                outs = engines[name].generate(prompts, params, use_tqdm=False)
-                times[name].append(time.perf_counter() - start)
-                tokens[name] = [o.outputs[0].token_ids for o in outs]
+        times, tokens = take_turns(engines, prompts, params, args.rounds)
         if tokens["old"] != tokens["new"]:
             sys.exit(f"{batch}x{prompt}x{out}: the two builds' tokens differ")
         old, new = (statistics.median(times[n]) for n in ("old", "new"))
-        # each round's pair ran back to back, so its ratio cancels the machine's slow drift (+-15% within an hour
-        # here) that a ratio of medians keeps; the spread of the pairs says how far to trust the median
-        pairs = sorted(o / n for o, n in zip(times["old"], times["new"]))
+        pairs = paired_ratios(times["old"], times["new"])  # their spread says how far to trust the median
         rate = batch * out if out > 1 else batch * prompt  # output tokens/s, or prompt tokens/s for prefill shapes
         points.append({"batch": batch, "prompt": prompt, "output": out, "old_s": old, "new_s": new,
                        "old_tok_s": rate / old, "new_tok_s": rate / new, "speedup": old / new,

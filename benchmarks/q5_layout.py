@@ -12,10 +12,10 @@ import dataclasses
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_info, ordinary_token_ids, random_requests, write_json  # noqa: E402
+from common import (machine_info, ordinary_token_ids, paired_ratios, random_requests, take_turns,  # noqa: E402
+                    write_json)
 
 
 def main() -> None:
@@ -49,18 +49,11 @@ def main() -> None:
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in random_requests(
         args.batch, (args.prompt_len,) * 2, (args.output_len,) * 2, ids, args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    tokens = {}
-    for r in range(args.rounds):
-        for name in (list(engines) if r % 2 == 0 else list(reversed(engines))):
-            start = time.perf_counter()
-            outs = engines[name].generate(prompts, params, use_tqdm=False)
-            times[name].append(time.perf_counter() - start)
-            tokens[name] = [o.outputs[0].token_ids for o in outs]
+    times, tokens = take_turns(engines, prompts, params, args.rounds)
     if tokens["8-bit"] != tokens["5-bit"]:
         sys.exit("the two layouts' tokens differ")
     rate = {name: args.batch * args.output_len / statistics.median(t) for name, t in times.items()}
-    pairs = sorted(w / f for w, f in zip(times["8-bit"], times["5-bit"]))
+    pairs = paired_ratios(times["8-bit"], times["5-bit"])
     print(f"batch {args.batch}: output tok/s 8-bit {rate['8-bit']:.1f}, 5-bit {rate['5-bit']:.1f}; 5-bit speedup "
           f"paired {statistics.median(pairs):.3f}x ({pairs[0]:.3f}-{pairs[-1]:.3f}), tokens equal")
     write_json({"benchmark": "q5_layout", "machine": machine_info(args.threads), "model": args.model,

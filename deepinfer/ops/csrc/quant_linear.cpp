@@ -22,7 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#include <vector>
+#include <memory>
 
 #include "kernels.h"
 #if defined(__AVX2__)
@@ -244,7 +244,9 @@ void block_rows(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, 
   const int64_t ng = K / G;
   const int64_t qb = 16 * G * BITS / 8;
 #if defined(DI_AVX512)
-  std::vector<uint8_t> wide(BITS == 5 && M >= kWiden5Rows ? 16 * K + 512 * (kPrefetch + 1) : 0);
+  // not value-initialised: every byte a tile reads is written by widen5 first (the room past it is only prefetched)
+  const std::unique_ptr<uint8_t[]> wide(BITS == 5 && M >= kWiden5Rows ? new uint8_t[16 * K + 512 * (kPrefetch + 1)]
+                                                                       : nullptr);
 #endif
   for (int64_t b = begin; b < end; ++b) {
     const uint8_t* qr = q + b * ng * qb;
@@ -253,9 +255,9 @@ void block_rows(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, 
     float* ob = out + 16 * (b - col0);
 #if defined(DI_AVX512)
     if constexpr (BITS == 5 && G == 32) {
-      if (!wide.empty()) {
-        widen5(qr, ng, wide.data());
-        block_tiles<8, G, ST, AFF>(wide.data(), sr, orr, c, ng, K, xq, xd, xs, xt, M, ob, ldo);
+      if (wide) {
+        widen5(qr, ng, wide.get());
+        block_tiles<8, G, ST, AFF>(wide.get(), sr, orr, c, ng, K, xq, xd, xs, xt, M, ob, ldo);
         continue;
       }
     }
