@@ -1,5 +1,7 @@
 """The compiled paged-decode kernel against the torch path (gather + SDPA) on random paged caches: full attention
 and sliding windows, head dims 64/128/256, grouped query heads, ragged lengths, shuffled block tables."""
+import re
+
 import pytest
 import torch
 
@@ -223,3 +225,43 @@ def test_windowed_prefill_chunk_matches_the_masked_torch_path(kernels):
     want = layer._prefill(q, k[slots], v[slots], t, 0)
     got = kernels.paged_prefill(q, k, v, table, 0, BS, dim**-0.5, window)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=["f32", "bf16", "fp8"])
+@pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, None), (4, 1, 256, 30)])
+def test_the_prefetch_level_changes_no_bit(kernels, heads, kv_heads, dim, window, dtype):
+    """Prefetching into L1 or L2 (the machine's choice, or either asked for) gives the same bits: decode rows alone
+    and as query tiles, and a prefill chunk. A level the kernel does not have is refused."""
+    gen = torch.Generator().manual_seed(7 * dim + heads)
+    num_blocks, width = 40, 10
+    k = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(num_blocks * BS, kv_heads, dim, generator=gen).to(dtype)
+    seq = torch.randperm(num_blocks, generator=gen)[:width]
+    tables = torch.stack([seq] * 5 + [torch.randperm(num_blocks, generator=gen)[:width]])
+    lens = torch.tensor([100, 101, 102, 103, 104, 150])  # four rows of one sequence become a tile
+    q = torch.randn(len(lens), heads, dim, generator=gen)
+    scale, w = dim**-0.5, window or -1
+    decodes = [kernels.paged_decode(q, k, v, tables, lens, BS, scale, w, prefetch=level) for level in (0, 2, 3)]
+    chunks = [kernels.paged_prefill(q[:5], k, v, seq, 95, BS, scale, w, prefetch=level) for level in (0, 2, 3)]
+    assert all(torch.equal(decodes[0], d) for d in decodes[1:])
+    assert all(torch.equal(chunks[0], c) for c in chunks[1:])
+    with pytest.raises(RuntimeError, match=r"prefetch is 0 \(the machine's choice\), 2 \(L2\) or 3 \(L1\), got 1"):
+        kernels.paged_decode(q, k, v, tables, lens, BS, scale, w, prefetch=1)
+
+
+def test_the_machine_prefetch_level_is_named_and_can_be_overridden(kernels):
+    """attention_prefetch() names the level this machine's rule picks and why (the start-up log prints it);
+    DEEPINFER_ATTN_PREFETCH=l1|l2 overrides the rule, anything else is refused with the values it takes."""
+    import os
+    import subprocess
+    import sys
+
+    assert re.fullmatch(r"L[12] \(.+\)", kernels.attention_prefetch())
+    code = "from deepinfer.ops import cpu_ops; print(cpu_ops.load().attention_prefetch())"
+    for value, want in (("l1", "L1 (DEEPINFER_ATTN_PREFETCH)"), ("l2", "L2 (DEEPINFER_ATTN_PREFETCH)")):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "DEEPINFER_ATTN_PREFETCH": value})
+        assert run.returncode == 0 and run.stdout.strip() == want, run.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "DEEPINFER_ATTN_PREFETCH": "l3"})
+    assert run.returncode != 0 and "DEEPINFER_ATTN_PREFETCH must be 'l1' or 'l2'" in run.stderr and "'l3'" in run.stderr

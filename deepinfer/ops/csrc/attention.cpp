@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "kernels.h"
+#include "prefetch_level.h"
 #include "kv_fp8.h"
 #include "vexp.h"
 #include "attention_avx2.h"  // defines DI_ATTN_AVX2 and block_step_avx2 when it applies
@@ -103,14 +104,11 @@ __attribute__((noinline)) static void block_step(const float* __restrict__ qh, c
 // Prefetch: the rows of the block DI_ATTN_AHEAD blocks ahead, into L2 (locality 2: prefetcht1) or L1 (3). Asked for
 // all at once when a block starts, a block's 64 lines queued behind the L1's few miss buffers, and L2 was better: 1.3-
 // 1.45x over L1 on the slower EPYC (benchmarks/attention_prefetch.py). The AVX-512 loop (attend_avx512) asks for one
-// row of K and of V with each key it scores, spread over the block, and there L1 is better: decode attention over a
-// cache in DRAM (SmolLM2's shapes, 16-128 rows x 192-1,024 tokens, one thread, the 2-core Zen 5 EPYC) 1.26-1.33x
-// faster than the old loop with L2, 1.36-1.52x with L1; two or three blocks ahead were slower than one.
+// row of K and of V with each key it scores, spread over the block, into the level the machine does best with
+// (a.prefetch: prefetch_level.h; L1 on the Zen 5 EPYC, L2 on the Zen 4); two or three blocks ahead were slower
+// than one.
 #ifndef DI_ATTN_AHEAD
 #define DI_ATTN_AHEAD 1
-#endif
-#ifndef DI_ATTN_LOC
-#define DI_ATTN_LOC 3
 #endif
 #ifndef DI_ATTN_BLOCK_LOC
 #define DI_ATTN_BLOCK_LOC 2  // the block-at-once requests of the loop below (without AVX-512)
@@ -123,15 +121,20 @@ static void attend(const float* __restrict__ qh, const KV* __restrict__ kp, cons
                    const int64_t* __restrict__ table, int64_t first, int64_t len, int64_t block_size,
                    int64_t kv_heads, int64_t h, int64_t group, float scale, float* __restrict__ out,
                    float* __restrict__ scores, float* __restrict__ acc, float* __restrict__ row_max,
-                   float* __restrict__ row_sum, const KV* fk, const KV* fv, int64_t frows) {
+                   float* __restrict__ row_sum, const KV* fk, const KV* fv, int64_t frows, int loc) {
   const int64_t stride = kv_heads * DIM;  // floats between consecutive tokens of one head
   for (int64_t g = 0; g < group; ++g) { row_max[g] = -INFINITY; row_sum[g] = 0.f; }
   for (int64_t i = 0; i < group * DIM; ++i) acc[i] = 0.f;
   bool done = false;  // the item computed by the AVX-512 loop
 #if defined(__AVX512F__)
   auto avx512 = [&](auto grp) {  // the group as a constant: its loops unroll and the accumulators stay in registers
-    attend_avx512<DIM, decltype(grp)::value, KV, DI_ATTN_AHEAD, DI_ATTN_LOC>(
-        qh, kp, vp, table, first, len, block_size, kv_heads, h, scale, scores, acc, row_max, row_sum, fk, fv, frows);
+    constexpr int G = decltype(grp)::value;
+    if (loc == 3)
+      attend_avx512<DIM, G, KV, DI_ATTN_AHEAD, 3>(qh, kp, vp, table, first, len, block_size, kv_heads, h, scale, scores,
+                                                  acc, row_max, row_sum, fk, fv, frows);
+    else
+      attend_avx512<DIM, G, KV, DI_ATTN_AHEAD, 2>(qh, kp, vp, table, first, len, block_size, kv_heads, h, scale, scores,
+                                                  acc, row_max, row_sum, fk, fv, frows);
     done = true;
   };
   switch (group) {
@@ -194,7 +197,7 @@ static inline void attend_piece(const DecodeAttention& a, int64_t head, int64_t 
   auto run = [&](auto fn) {
     fn(a.q + head * a.dim, static_cast<const KV*>(a.k_cache), static_cast<const KV*>(a.v_cache),
        a.tables + n * a.width, first, len, a.block_size, a.kv_heads, h, count, a.scale, a.out + head * a.dim, scores,
-       acc, row_max, row_sum, fk, fv, frows);
+       acc, row_max, row_sum, fk, fv, frows, a.prefetch);
   };
   if (a.dim == 64) run(attend<64, KV>);
   else if (a.dim == 128) run(attend<128, KV>);
@@ -250,7 +253,9 @@ static void items_of(const DecodeAttention& a, int64_t begin, int64_t end, float
 DecodeAttention decode_attention(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                  int64_t rows, int64_t heads, const int64_t* tables, int64_t width,
                                  const int64_t* lens, int64_t block_size, double scale, int64_t window, float* out,
-                                 int threads) {
+                                 int threads, int prefetch) {
+  TORCH_CHECK(prefetch == 0 || prefetch == 2 || prefetch == 3,
+              "paged attention kernel: prefetch is 0 (the machine's choice), 2 (L2) or 3 (L1), got ", prefetch);
   const int64_t kv_heads = k_cache.size(1), dim = k_cache.size(2), group = heads / kv_heads;
   // Few (row, KV head) items for the threads (one user: 3 for SmolLM2 on 2 threads): one item per thread, the
   // query heads split evenly, each KV head read by every thread that has some of its heads (SmolLM2: KV heads
@@ -296,7 +301,12 @@ DecodeAttention decode_attention(const float* q, const torch::Tensor& k_cache, c
 #endif
   return DecodeAttention{q, k_cache.data_ptr(), v_cache.data_ptr(), kv_kind(k_cache),
                          rows, heads, kv_heads, dim, tables, width, lens, block_size, static_cast<float>(scale),
-                         window, out, per, items, std::move(tiles)};
+                         window, out, per, items, std::move(tiles), prefetch > 0 ? prefetch : machine_prefetch().level};
+}
+
+std::string attention_prefetch() {
+  const PrefetchChoice& c = machine_prefetch();
+  return std::string(c.level == 3 ? "L1" : "L2") + " (" + c.why + ")";
 }
 
 int64_t decode_items(const DecodeAttention& a) { return a.items; }
@@ -319,10 +329,10 @@ void decode_item_range(const DecodeAttention& a, int64_t begin, int64_t end, flo
 
 static void run_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, const int64_t* tp,
                      int64_t width, const int64_t* lp, int64_t block_size, double scale, int64_t window,
-                     torch::Tensor out) {
+                     torch::Tensor out, int64_t prefetch) {
   const DecodeAttention a = decode_attention(q.data_ptr<float>(), k_cache, v_cache, q.size(0), q.size(1), tp, width,
                                              lp, block_size, scale, window, out.data_ptr<float>(),
-                                             at::get_num_threads());
+                                             at::get_num_threads(), static_cast<int>(prefetch));
   at::parallel_for(0, decode_items(a), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(decode_scratch(a));
     decode_item_range(a, begin, end, scratch.data());
@@ -343,25 +353,26 @@ static void check(const torch::Tensor& q, const torch::Tensor& k_cache, const to
 
 // Decode: row n is one query at position lens[n] - 1 with its own block table.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                           torch::Tensor lens, int64_t block_size, double scale, int64_t window) {
+                           torch::Tensor lens, int64_t block_size, double scale, int64_t window, int64_t prefetch) {
   check(q, k_cache, v_cache);
   tables = tables.contiguous();
   lens = lens.contiguous();
   auto out = torch::empty_like(q);
   run_rows(q, k_cache, v_cache, tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(), block_size,
-           scale, window, out);
+           scale, window, out, prefetch);
   return out;
 }
 
 // Prefill: T consecutive queries of one sequence at positions first_position..first_position+T-1, one block table;
 // each query runs exactly the decode computation for its own position.
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
-                            int64_t first_position, int64_t block_size, double scale, int64_t window) {
+                            int64_t first_position, int64_t block_size, double scale, int64_t window,
+                            int64_t prefetch) {
   check(q, k_cache, v_cache);
   table = table.contiguous();
   auto lens = torch::arange(first_position + 1, first_position + q.size(0) + 1, table.options());
   auto out = torch::empty_like(q);
   run_rows(q, k_cache, v_cache, table.data_ptr<int64_t>(), 0, lens.data_ptr<int64_t>(), block_size, scale, window,
-           out);
+           out, prefetch);
   return out;
 }

@@ -136,10 +136,14 @@ static void tile_item(const DecodeAttention& a, int64_t n0, int64_t h, float* sc
                       float* row_sum) {
   constexpr int R = DI_ATTN_TILE;
   const int64_t head0 = n0 * a.heads + h * GROUP;
-  attend_tile_avx512<DIM, GROUP, R, KV, DI_ATTN_LOC>(
-      a.q + head0 * DIM, a.heads * DIM, static_cast<const KV*>(a.k_cache), static_cast<const KV*>(a.v_cache),
-      a.tables + (n0 + R - 1) * a.width, a.lens[n0], a.window, a.block_size, a.kv_heads, h, a.scale, scores, acc,
-      row_max, row_sum);  // the last row's table: it covers every row's blocks, and the rows agree on theirs
+  auto run = [&](auto loc) {  // the last row's table: it covers every row's blocks, and the rows agree on theirs
+    attend_tile_avx512<DIM, GROUP, R, KV, decltype(loc)::value>(
+        a.q + head0 * DIM, a.heads * DIM, static_cast<const KV*>(a.k_cache), static_cast<const KV*>(a.v_cache),
+        a.tables + (n0 + R - 1) * a.width, a.lens[n0], a.window, a.block_size, a.kv_heads, h, a.scale, scores, acc,
+        row_max, row_sum);
+  };
+  if (a.prefetch == 3) run(std::integral_constant<int, 3>{});
+  else run(std::integral_constant<int, 2>{});
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < GROUP; ++g) {
       float* o = a.out + (head0 + r * a.heads + g) * DIM;

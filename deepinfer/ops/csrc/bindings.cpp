@@ -21,8 +21,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("act_and_mul", &act_and_mul, "act(gate) * up for [T, 2I] rows (0: SiLU, 1: GELU tanh)", nogil);
   m.def("rotary_", &rotary_, "rotate-half RoPE in place on q and k views", nogil);
   m.def("cache_write", &cache_write, "k, v rows into their KV cache slots", nogil);
-  m.def("paged_decode", &paged_decode, "paged decode attention: one query per row, its own block table", nogil);
-  m.def("paged_prefill", &paged_prefill, "paged attention of consecutive queries of one sequence", nogil);
+  m.def("paged_decode", &paged_decode, "paged decode attention: one query per row, its own block table",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lens"), py::arg("block_size"),
+        py::arg("scale"), py::arg("window"), py::arg("prefetch") = 0, nogil);
+  m.def("paged_prefill", &paged_prefill, "paged attention of consecutive queries of one sequence", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("table"), py::arg("first_position"), py::arg("block_size"),
+        py::arg("scale"), py::arg("window"), py::arg("prefetch") = 0, nogil);
+  m.def("attention_prefetch", &attention_prefetch,
+        "the cache level decode attention prefetches into on this machine (prefetch 0), and why");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of float32 [N, V] rows, rows in parallel", nogil);
   m.def("sample_id_order", &sample_id_order,
         "seeded inverse-CDF sampling over token ids from float32 weights, sums in float64 (no cdf tensor)", nogil);

@@ -68,11 +68,12 @@ struct DecodeAttention {
   // query tiles (AVX-512): (first row, rows) of consecutive rows of one sequence read together, a single row being
   // (row, 1); item i is tile i / kv_heads's queries of KV head i % kv_heads. Empty: no tiles (items as above).
   std::vector<std::pair<int64_t, int64_t>> tiles;
+  int prefetch;  // the cache level the AVX-512 loops prefetch into: 3 (L1) or 2 (L2); no value depends on it
 };
 DecodeAttention decode_attention(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                  int64_t rows, int64_t heads, const int64_t* tables, int64_t width,
                                  const int64_t* lens, int64_t block_size, double scale, int64_t window, float* out,
-                                 int threads);
+                                 int threads, int prefetch = 0);  // prefetch 0: the machine's (prefetch_level.h)
 int64_t decode_items(const DecodeAttention& a);
 int64_t decode_scratch(const DecodeAttention& a);
 // slots begin..end-1: the items in an order whose contiguous ranges mix short and long rows (attention.cpp)

@@ -21,9 +21,11 @@ torch::Tensor act_and_mul(torch::Tensor x, int64_t act);
 void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 void cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                           torch::Tensor lens, int64_t block_size, double scale, int64_t window);
+                           torch::Tensor lens, int64_t block_size, double scale, int64_t window, int64_t prefetch);
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
-                            int64_t first_position, int64_t block_size, double scale, int64_t window);
+                            int64_t first_position, int64_t block_size, double scale, int64_t window,
+                            int64_t prefetch);
+std::string attention_prefetch();  // the cache level decode attention prefetches into on this machine, and why
 torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor sample_id_order(torch::Tensor weights, torch::Tensor u);
 std::tuple<torch::Tensor, torch::Tensor> sort_descending(torch::Tensor x);
