@@ -139,8 +139,9 @@ def _greedy_drafts(model, mtp, state: torch.Tensor, batch_invariant: bool) -> li
         if batch_invariant:  # one row per product: the same bits whatever else drafts this step
             return [int(vocab[(row.float() @ head.T).argmax()]) for row in state[:, None]]
         return vocab[(state.float() @ head.T).argmax(dim=-1)].tolist()
-    kernels, packed = head  # every row computed by the same code: batch-invariant as it is
-    return vocab[quant_linear.linear(kernels, state.float().contiguous(), packed).argmax(dim=-1)].tolist()
+    kernels, packed = head  # every row computed by the same code: batch-invariant as it is; the argmax taken in the
+    # kernel, without writing the draft vocabulary's logits (what torch.argmax of them gives)
+    return vocab[quant_linear.argmax(kernels, state.float().contiguous(), packed)].tolist()
 
 
 def _draft_head(model, vocab: torch.Tensor):

@@ -299,14 +299,24 @@ class ModelRunner:
             self._emit(r.request_id, tokens, lps, result)
 
     def _argmax_only(self, sampling: list[RequestRows], masks: dict) -> bool:
-        """Every row plain greedy: no grammar mask, no drafts, no logprobs or penalties, min_tokens met."""
-        return not masks and all(not r.drafts and self._requests[r.request_id].argmax_only for r in sampling)
+        """Every row plain greedy: no grammar mask, no logprobs or penalties, min_tokens met (then also at a draft's
+        later positions): each row's token is its argmax, and a greedy request's drafts are verified against those."""
+        return not masks and all(self._requests[r.request_id].argmax_only for r in sampling)
 
     def _emit_argmax(self, sampling: list[RequestRows], tokens: torch.Tensor, result: StepResult) -> None:
-        for r, token in zip(sampling, tokens.tolist()):
-            if self.spec is not None:
-                check_shadow(self._requests[r.request_id].drafting, token)
-            self._emit(r.request_id, [token], [None], result)
+        """tokens: the argmax of every sampled row, a request's 1 + len(drafts) rows in order."""
+        ids, at = tokens.tolist(), 0
+        for r in sampling:
+            drafting = self._requests[r.request_id].drafting
+            if r.drafts:
+                emitted = verify_greedy(ids[at : at + 1 + len(r.drafts)], r.drafts)
+                record_acceptance(drafting, len(r.drafts), len(emitted) - 1)
+                self._emit(r.request_id, emitted, [None] * len(emitted), result)
+            else:
+                if self.spec is not None:
+                    check_shadow(drafting, ids[at])
+                self._emit(r.request_id, [ids[at]], [None], result)
+            at += 1 + len(r.drafts)
 
     def _propose(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:
         """The next step's drafts for every request that sampled (MTP also caches its KV for every computed row)."""
