@@ -8,6 +8,7 @@
 // queue behind each other; the L2 tracks many more). So L1 on AMD family 0x1A and later, L2 elsewhere;
 // DEEPINFER_ATTN_PREFETCH=l1|l2 overrides it.
 #pragma once
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
