@@ -32,6 +32,8 @@ def engine_on(ops, model: str | None, threads: int, max_seqs: int):
 
     current = cpu_ops.load
     if ops is not None:
+        if not hasattr(ops, "attention_prefetch"):  # older sources fixed the level at build time and do not say
+            ops.attention_prefetch = lambda: "the level its sources fix"
         cpu_ops.load = lambda isa="native": ops
     try:
         return LLM(model=model, num_threads=threads, max_num_seqs=max_seqs, enable_prefix_caching=False)

@@ -72,7 +72,7 @@ class InProcessExecutor(Executor):
                     f"{ops.isa()}; quantized linear layers: {'yes' if compute.quantization else 'no'}; fused "
                     f"norm / activation / rotary / cache write: {'yes' if glue else 'no (DEEPINFER_FUSED_OPS=0 or dtype ' + compute.dtype + ')'}"
                     f"{' (one row each: batch invariant as they stand)' if glue and config.batch_invariant else ''}"
-                    f"; decode attention prefetches into {_prefetch_level(ops)}")
+                    f"; decode attention prefetches into {ops.attention_prefetch()}")
         if compute.quantization is not None and ops is None:
             logger.info("quantized layers compute on dequantized float32 weights (no compiled ops)")
         weights = iter_weights(files, self.dtype, keep_quantized=compute.quantization == "gguf")
@@ -130,8 +130,3 @@ class InProcessExecutor(Executor):
         result.expert_counts = moe.counts()
         return result
 
-
-def _prefetch_level(ops) -> str:
-    """The cache level the ops' decode attention prefetches into, and why (older sources that benchmarks load to
-    compare, benchmarks/kernels_e2e.py, fixed it at build time and do not say)."""
-    return ops.attention_prefetch() if hasattr(ops, "attention_prefetch") else "the level its sources fix"

@@ -128,13 +128,12 @@ static void attend(const float* __restrict__ qh, const KV* __restrict__ kp, cons
   bool done = false;  // the item computed by the AVX-512 loop
 #if defined(__AVX512F__)
   auto avx512 = [&](auto grp) {  // the group as a constant: its loops unroll and the accumulators stay in registers
-    constexpr int G = decltype(grp)::value;
-    if (loc == 3)
-      attend_avx512<DIM, G, KV, DI_ATTN_AHEAD, 3>(qh, kp, vp, table, first, len, block_size, kv_heads, h, scale, scores,
-                                                  acc, row_max, row_sum, fk, fv, frows);
-    else
-      attend_avx512<DIM, G, KV, DI_ATTN_AHEAD, 2>(qh, kp, vp, table, first, len, block_size, kv_heads, h, scale, scores,
-                                                  acc, row_max, row_sum, fk, fv, frows);
+    auto run = [&](auto level) {  // the prefetch level as a constant too
+      attend_avx512<DIM, decltype(grp)::value, KV, DI_ATTN_AHEAD, decltype(level)::value>(
+          qh, kp, vp, table, first, len, block_size, kv_heads, h, scale, scores, acc, row_max, row_sum, fk, fv, frows);
+    };
+    if (loc == 3) run(std::integral_constant<int, 3>{});
+    else run(std::integral_constant<int, 2>{});
     done = true;
   };
   switch (group) {
