@@ -34,7 +34,7 @@ class QuantWeight:
     def __init__(self, num_shards: int, kernels: ModuleType | None) -> None:
         self.kernels = kernels
         self._shards: list[ql.Canonical | None] = [None] * num_shards
-        self.packed: ql.PackedWeight | None = None
+        self.packed: ql.PackedWeight | ql.SplitWeight | None = None
         self.dense: torch.Tensor | None = None  # float32, only when the kernels are unavailable
 
     def load_shard(self, canonical: ql.Canonical, shard: int) -> None:
@@ -44,15 +44,19 @@ class QuantWeight:
     def loaded(self) -> bool:
         return self.packed is not None or all(s is not None for s in self._shards)
 
-    def finalize(self, unify: Callable[[list[ql.Canonical]], ql.Canonical]) -> None:
+    def finalize(self, unify: Callable[[list[ql.Canonical]], ql.Canonical], split: bool = False) -> None:
+        """split: an LM head's 8-bit symmetric weight goes in split planes (ops/quant_linear.SplitWeight) where the
+        kernels have them."""
         if self.packed is not None or self.dense is not None:
             return
         whole = unify(self._shards)
         self._shards = []
         if self.kernels is None:
             self.dense = torch.from_numpy(np.ascontiguousarray(whole.dequantize()))
-        else:
-            self.packed = ql.pack(whole)
+            return
+        self.packed = ql.pack(whole)
+        if split and ql.splittable(self.packed) and hasattr(self.kernels, "split_head_argmax"):
+            self.packed = ql.split(self.packed)
 
     @property
     def nbytes(self) -> int:
@@ -67,8 +71,9 @@ class QuantizedLinear(nn.Module):
     takes_quantized = True  # models/weights.py hands it GGUF blocks as they are
 
     def __init__(self, in_features: int, shards: list[int], bias: nn.Parameter | None, mode: str,
-                 kernels: ModuleType | None) -> None:
+                 kernels: ModuleType | None, head: bool = False) -> None:
         super().__init__()
+        self.head = head  # an LM head (its weight may go in split planes: transforms/quantize.py)
         self.in_features = in_features
         self.shards = list(shards)
         self.mode = mode
@@ -109,7 +114,7 @@ def head_argmax(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
     if not isinstance(head, QuantizedLinear):
         return None
     w = head.weight
-    if w.packed is None or head.bias is not None or not hasattr(w.kernels, "quant_linear_argmax"):
+    if w.packed is None or head.bias is not None or not hasattr(w.kernels, "quant_linear_argmax"):  # older builds
         return None
     return ql.argmax(w.kernels, hidden.float(), w.packed)
 

@@ -21,7 +21,7 @@ logger = logging.getLogger("deepinfer")
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 # the slowest source first: ninja starts them in this order, so it does not compile alone at the end
 SOURCES = ("bindings.cpp", "quant_linear.cpp", "attention.cpp", "decode_stack.cpp", "layer_ops.cpp", "sampling.cpp",
-           "head_argmax.cpp", "dense_linear.cpp")
+           "head_argmax.cpp", "dense_linear.cpp", "split_head.cpp")
 ISA_FLAGS = {
     "native": ["-march=native"],
     "avx2-vnni": ["-march=native", "-mno-avx512f", "-mavxvnni"],
@@ -59,7 +59,10 @@ def build(name: str, flags: list[str], csrc: str | None = None) -> ModuleType:
     from torch.utils.cpp_extension import load as load_extension
 
     _use_own_ninja()
-    return load_extension(name=name, sources=[os.path.join(csrc or _CSRC, s) for s in SOURCES],
+    sources = [os.path.join(csrc or _CSRC, s) for s in SOURCES]
+    if csrc is not None:  # an older copy builds the sources it has (a build without split_head.cpp lacks its ops)
+        sources = [s for s in sources if os.path.exists(s)]
+    return load_extension(name=name, sources=sources,
                           extra_cflags=["-O3", *flags, "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
                           verbose=False)
 

@@ -71,6 +71,10 @@ class PackedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.quants, self.scales, self.offsets))
 
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.quants, self.scales, self.offsets)
+
     @functools.cached_property
     def op_args(self) -> tuple:
         """The kernel's weight arguments, looked up once: a decode step calls the kernel 121 times (SmolLM2)."""
@@ -138,6 +142,71 @@ def pack(w: Canonical) -> PackedWeight:
 
 
 INT8 = QuantFormat(8, 32, "float16", False, -128)
+
+# A greedy step of at most this many rows takes a split head's argmax in two passes; larger ones widen every block
+# (csrc/split_head.cpp). Gemma 3's head on the 2-core Zen 4 EPYC, on its own final states, against the 8-bit
+# layout: 1 row 1.32x, 2 rows 0.99-1.08x, 4 rows 0.76x, 8 rows 0.60x (a /tmp script, the layouts in turns).
+SPLIT_ARGMAX_ROWS = 2
+
+
+@dataclass(frozen=True)
+class SplitWeight:
+    """An 8-bit symmetric weight (GGUF Q8_0, int8: w = d * (u - 128)) stored as a 5-bit plane of u >> 3 and three bit
+    planes of u & 7 (csrc/split_head.cpp has the layout): a greedy LM head reads the high plane, 5/8 of the bytes,
+    and computes exactly only the blocks that can hold the largest output. Logits, rows and the argmax are the
+    ones the PackedWeight it was made from gives; the bytes are the same but 8 per output row (`bound`)."""
+
+    n: int
+    k: int
+    high: torch.Tensor  # uint8 [n_pad / 16, k / 32, 320]
+    low: torch.Tensor  # uint8 [n_pad / 16, k / 32, 192]
+    scales: torch.Tensor  # float16 [n_pad / 16, k / 32, 16]
+    bound: torch.Tensor  # float32 [n_pad, 2]: R_i and E2_i of split_head.cpp, rounded up
+    max_rows: int = SPLIT_ARGMAX_ROWS
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.high, self.low, self.scales, self.bound)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def splittable(w: PackedWeight) -> bool:
+    return w.fmt == INT8
+
+
+def _round_up(x: np.ndarray) -> np.ndarray:
+    return np.nextafter(x.astype(np.float32), np.float32(np.inf))
+
+
+def split(w: PackedWeight, max_rows: int = SPLIT_ARGMAX_ROWS, chunk: int = 1024) -> SplitWeight:
+    """The two planes and per-row bounds of an 8-bit symmetric weight (Q8_0 / int8), block by block."""
+    if not splittable(w):
+        raise ValueError(f"only 8-bit symmetric weights in groups of 32 split, not {w.fmt}")
+    nb, ng = w.quants.shape[:2]
+    high = np.empty((nb, ng, 320), dtype=np.uint8)
+    low = np.empty((nb, ng, 192), dtype=np.uint8)
+    bound = np.empty((nb, 16, 2), dtype=np.float32)
+    gamma = (2 * ng + 16) * 2.0 ** -23
+    shifts = np.arange(3, dtype=np.uint8)[:, None]
+    for b0 in range(0, nb, chunk):
+        r = w.quants[b0 : b0 + chunk].numpy().reshape(-1, ng, 8, 64)  # 8-bit records: piece, byte 4j + i
+        n = r.shape[0]
+        hi, lo = r >> 3, r & 7
+        nib = hi & 0x0F
+        fifth = np.packbits((hi >> 4).reshape(n, ng, 4, 2, 64), axis=-1, bitorder="little")
+        high[b0 : b0 + n, :, :256] = (nib[:, :, 0::2] | (nib[:, :, 1::2] << 4)).reshape(n, ng, 256)
+        high[b0 : b0 + n, :, 256:] = fifth.reshape(n, ng, 64)
+        planes = (lo[:, :, :, None, :] >> shifts) & 1  # [n, ng, register, bit, 64]
+        low[b0 : b0 + n] = np.packbits(planes, axis=-1, bitorder="little").reshape(n, ng, 192)
+        d = w.scales[b0 : b0 + n].numpy().astype(np.float64)  # [n, ng, 16]
+        centred = (lo.reshape(n, ng, 8, 16, 4).astype(np.float64) - 3.5) ** 2
+        bound[b0 : b0 + n, :, 0] = _round_up(np.sqrt((d * d * centred.sum(axis=(2, 4))).sum(axis=1)) * (1 + 2.0 ** -20))
+        bound[b0 : b0 + n, :, 1] = _round_up(gamma * 760 * np.abs(d).max(axis=1) * (1 + 2.0 ** -20))
+    return SplitWeight(w.n, w.k, torch.from_numpy(high), torch.from_numpy(low), w.scales,
+                       torch.from_numpy(bound.reshape(nb * 16, 2)), max_rows)
 INT4 = QuantFormat(4, 32, "float16", True)
 
 
@@ -166,26 +235,35 @@ def quantize_int4(w: np.ndarray) -> Canonical:
     return Canonical(INT4, u.astype(np.uint8).reshape(n, k), scale, low)
 
 
-def linear(kernels: ModuleType, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(kernels: ModuleType, x: torch.Tensor, w: PackedWeight | SplitWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] float32 -> [..., N] float32."""
     if x.shape[-1] != w.k:
         raise ValueError(f"quantized linear takes inputs of {w.k} features, got {x.shape[-1]}")
+    if isinstance(w, SplitWeight):
+        if bias is not None:
+            raise ValueError("a split head has no bias")
+        return kernels.split_head_linear(x.reshape(-1, w.k), w.high, w.low, w.scales, w.n).view(*x.shape[:-1], w.n)
     if x.dim() == 2:  # the decode path: no reshaping
         return kernels.quant_linear(x, *w.op_args, bias)
     lead = x.shape[:-1]
     return kernels.quant_linear(x.reshape(-1, w.k), *w.op_args, bias).view(*lead, w.n)
 
 
-def argmax(kernels: ModuleType, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+def argmax(kernels: ModuleType, x: torch.Tensor, w: PackedWeight | SplitWeight) -> torch.Tensor:
     """x [M, K] float32 -> [M] int64: per row, the index of the largest of linear(x, w)'s outputs (the first of
     equals; the first NaN), what torch.argmax of the outputs gives, computed without writing them."""
     if x.dim() != 2 or x.shape[-1] != w.k:
         raise ValueError(f"quantized argmax takes [M, {w.k}] inputs, got {tuple(x.shape)}")
+    if isinstance(w, SplitWeight):
+        return kernels.split_head_argmax(x, w.high, w.low, w.scales, w.bound, w.n, w.max_rows)
     return kernels.quant_linear_argmax(x, *w.op_args)
 
 
-def rows(kernels: ModuleType, ids: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+def rows(kernels: ModuleType, ids: torch.Tensor, w: PackedWeight | SplitWeight) -> torch.Tensor:
     """Rows `ids` of the weight, dequantized to float32: [*ids.shape, K]."""
+    if isinstance(w, SplitWeight):
+        return kernels.split_head_rows(ids.reshape(-1), w.high, w.low, w.scales, w.k).view(*ids.shape, w.k)
     out = kernels.quant_rows(ids.reshape(-1), w.quants, w.scales, w.offsets, w.fmt.bits, w.fmt.group,
                              float(w.fmt.c), w.k)
     return out.view(*ids.shape, w.k)

@@ -57,7 +57,7 @@ def prepare_quantized(model: nn.Module, mode: str, kernels: ModuleType | None) -
                 if child.in_features % 32:
                     dense.append(f"{full} (K % 32)")
                     continue
-                new = QuantizedLinear(child.in_features, [child.out_features], child.bias, wide, kernels)
+                new = QuantizedLinear(child.in_features, [child.out_features], child.bias, wide, kernels, head=True)
             elif isinstance(child, nn.Embedding):
                 if child.embedding_dim % 32:
                     dense.append(f"{full} (dim % 32)")
@@ -70,17 +70,19 @@ def prepare_quantized(model: nn.Module, mode: str, kernels: ModuleType | None) -
     return QuantSummary(mode, swapped, tuple(dense))
 
 
-def finalize_quantized(model: nn.Module, summary: QuantSummary, huge_pages: bool = True) -> QuantSummary:
+def finalize_quantized(model: nn.Module, summary: QuantSummary, huge_pages: bool = True,
+                       split_head: bool = False) -> QuantSummary:
     """Packs every loaded quantized weight (a tied head shares its embedding's) and, with huge_pages, moves the
-    packed tensors into 2 MiB pages (ops/huge_pages.py); returns the summary with bytes."""
+    packed tensors into 2 MiB pages (ops/huge_pages.py); returns the summary with bytes. split_head: an LM head
+    without bias in 8-bit symmetric blocks (Q8_0, int8) goes in split planes (ops/quant_linear.SplitWeight)."""
+    heads = {id(m.weight) for m in model.modules() if isinstance(m, QuantizedLinear) and m.head and m.bias is None}
     seen, total, tensors = set(), 0, []
     for module in model.modules():
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and id(module.weight) not in seen:
             seen.add(id(module.weight))
-            module.weight.finalize(unify)
+            module.weight.finalize(unify, split=split_head and id(module.weight) in heads)
             total += module.weight.nbytes
             if module.weight.packed is not None:
-                packed = module.weight.packed
-                tensors += [packed.quants, packed.scales, packed.offsets]
+                tensors += list(module.weight.packed.tensors)
     arena = move_to_huge_pages(tensors) if huge_pages else None
     return QuantSummary(summary.mode, summary.quantized, summary.dense, total, arena)

@@ -78,7 +78,8 @@ class InProcessExecutor(Executor):
         weights = iter_weights(files, self.dtype, keep_quantized=compute.quantization == "gguf")
         self.model = build_model(files.hf_config, weights, compute.dtype, compute.device, max_model_len,
                                  batch_invariant=config.batch_invariant, quantization=compute.quantization,
-                                 ops=ops, fused_glue=glue, huge_pages=config.huge_pages)
+                                 ops=ops, fused_glue=glue, huge_pages=config.huge_pages,
+                                 split_head=config.split_head)
         self.quantized = compute.quantization is not None
         self._prepare_mtp(files, ops, glue)
         self.runner: ModelRunner | None = None

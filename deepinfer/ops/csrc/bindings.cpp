@@ -42,6 +42,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "top-k / top-p sampling on rows in probability order, sums in float64 (no cdf tensor)", nogil);
   m.def("quant_linear_argmax", &quant_linear_argmax,
         "argmax over the outputs of x @ dequant(W)^T per row, without the logits (an LM head's greedy token)", nogil);
+  m.def("split_head_linear", &split_head_linear, "quant_linear's outputs for an 8-bit head stored as split planes",
+        nogil);
+  m.def("split_head_rows", &split_head_rows, "quant_rows' rows of an 8-bit table stored as split planes", nogil);
+  m.def("split_head_argmax", &split_head_argmax,
+        "quant_linear_argmax's index for an 8-bit head stored as split planes: the high plane bounds every output, "
+        "only blocks that can hold the largest are computed exactly (up to max_rows rows)", nogil);
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())  // one per ISA build in a process
       .def(py::init<std::vector<DecodeStack::Linear>, std::vector<torch::Tensor>, std::vector<double>,
                     std::vector<double>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,

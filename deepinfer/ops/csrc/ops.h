@@ -36,6 +36,11 @@ std::tuple<torch::Tensor, torch::Tensor> sample_sorted(torch::Tensor weights, to
                                                        torch::Tensor usable, torch::Tensor complete);
 torch::Tensor quant_linear_argmax(torch::Tensor x, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
                                   int64_t bits, int64_t group, double c, int64_t n);
+// split_head.cpp: an 8-bit symmetric LM head stored as a 5-bit high plane and 3 low bit planes
+torch::Tensor split_head_linear(torch::Tensor x, torch::Tensor high, torch::Tensor low, torch::Tensor scales, int64_t n);
+torch::Tensor split_head_rows(torch::Tensor ids, torch::Tensor high, torch::Tensor low, torch::Tensor scales, int64_t k);
+torch::Tensor split_head_argmax(torch::Tensor x, torch::Tensor high, torch::Tensor low, torch::Tensor scales,
+                                torch::Tensor bound, int64_t n, int64_t max_rows);
 
 // A decoder stack computing decode rows (one query token each) in one call. Per layer, with the norms a layer has
 // (Llama: input and pre-FFN; Gemma 3: all six):
