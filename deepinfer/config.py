@@ -262,8 +262,8 @@ class EngineConfig:
     keep_host_memory: bool = True
     # quantized weights in 2 MiB pages where the kernel grants them (ops/huge_pages.py; DEEPINFER_HUGE_PAGES=0: off)
     huge_pages: bool = True
-    # an 8-bit LM head (Q8_0, int8) in split planes: greedy steps of 1-2 rows read 5/8 of it, logits of one row cost
-    # more (ops/quant_linear.SplitWeight; DEEPINFER_SPLIT_HEAD=1: on)
+    # an 8-bit LM head (Q8_0, int8) in split planes: greedy steps of 1-2 rows read 5/8 of it, batches of 3+ rows
+    # cost more (ops/quant_linear.SplitWeight; DEEPINFER_SPLIT_HEAD=1: on)
     split_head: bool = False
 
     @classmethod

@@ -145,7 +145,7 @@ INT8 = QuantFormat(8, 32, "float16", False, -128)
 
 # A greedy step of at most this many rows takes a split head's argmax in two passes; larger ones widen every block
 # (csrc/split_head.cpp). Gemma 3's head on the 2-core Zen 4 EPYC, on its own final states, against the 8-bit
-# layout: 1 row 1.32x, 2 rows 0.99-1.08x, 4 rows 0.76x, 8 rows 0.60x (a /tmp script, the layouts in turns).
+# layout: 1 row 1.43x, 2 rows 1.18x, 3 rows 0.70x (doc/inference_deployment_qa.md, "An 8-bit LM head in split planes").
 SPLIT_ARGMAX_ROWS = 2
 
 

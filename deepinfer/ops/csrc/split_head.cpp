@@ -59,33 +59,87 @@ SplitView split_view(const torch::Tensor& high, const torch::Tensor& low, const 
                    reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), nb, ng, k};
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The 8-bit records' registers of one group, r = 0..7, from its high record h and low planes l.
+struct Unpack {
+  const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+#if defined(__GFNI__) && defined(__AVX512VBMI__)
+  __m512i index, select = _mm512_set1_epi64(0x8040201008040201ll);
+  Unpack() {
+    alignas(64) uint8_t at[64];
+    for (int q = 0; q < 8; ++q)
+      for (int i = 0; i < 8; ++i) at[8 * q + i] = i == 7 ? q : i == 6 ? 8 + q : i == 5 ? 16 + q : 0;
+    index = _mm512_load_si512(at);
+  }
+#endif
+  static __mmask64 mask(const uint8_t* p) {
+    uint64_t m;
+    std::memcpy(&m, p, 8);
+    return _cvtu64_mask64(m);
+  }
+  // registers 2p and 2p + 1
+  template <class F>
+  __attribute__((always_inline)) void piece(const uint8_t* h, const uint8_t* l, int p, F&& use) const {
+    const __m512i v = _mm512_loadu_si512(h + 64 * p);
+    const __m512i reg[2] = {_mm512_and_si512(v, nibble), _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)};
+    for (int half = 0; half < 2; ++half) {
+      const int r = 2 * p + half;
+      __m512i u = _mm512_mask_add_epi8(reg[half], mask(h + 256 + 16 * p + 8 * half), reg[half], sixteen);
+      u = _mm512_slli_epi16(u, 3);  // bytes <= 31: no bit crosses into the next byte
+#if defined(__GFNI__) && defined(__AVX512VBMI__)
+      // qword q of the register gets the planes' bytes q at bytes 7, 6, 5 (vpermb); gf2p8affineqb with byte j of
+      // the selector 1 << j makes bit i of byte j bit j of byte 7 - i: byte j = l of value 8q + j
+      const __m512i planes = _mm512_maskz_loadu_epi8(0xFFFFFFull, l + 24 * r);
+      const __m512i spread = _mm512_maskz_permutexvar_epi8(0xE0E0E0E0E0E0E0E0ull, index, planes);
+      u = _mm512_or_si512(u, _mm512_gf2p8affine_epi64_epi8(select, spread, 0));
+#else
+      for (int t = 0; t < 3; ++t) u = _mm512_mask_add_epi8(u, mask(l + 24 * r + 8 * t), u, _mm512_set1_epi8(1 << t));
+#endif
+      use(r, u);
+    }
+  }
+};
+
+// Block b's outputs for one activation row, exactly as the 8-bit tiles compute them on the widened records (the
+// same integer sums, then per group acc += float(isum) * (scale * d); acc += (scale * -128) * (d * float(xsum))),
+// the unpacking done in registers: one row reads the planes once and widens nothing to memory.
+void exact_row(const SplitView& w, int64_t b, const int8_t* xq, const float* xd, const float* xt, float* out) {
+  const Unpack un;
+  const uint8_t* h = w.high + b * w.ng * kHigh;
+  const uint8_t* l = w.low + b * w.ng * kLow;
+  const uint16_t* s = w.scales + b * w.ng * 16;
+  const float* terms = xt + w.k / 16;  // per 32 values (quant_linear.cpp's group_term)
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.ng; ++g, h += kHigh, l += kLow) {
+    for (int line = 0; line < kHigh; line += 64) _mm_prefetch(reinterpret_cast<const char*>(h + kAhead * kHigh + line), _MM_HINT_T0);
+    for (int line = 0; line < kLow; line += 64) _mm_prefetch(reinterpret_cast<const char*>(l + kAhead * kLow + line), _MM_HINT_T0);
+    __m512i isum = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p)
+      un.piece(h, l, p, [&](int r, __m512i u) {
+        int32_t x4;
+        std::memcpy(&x4, xq + 32 * g + 4 * r, 4);
+        isum = _mm512_dpbusd_epi32(isum, u, _mm512_set1_epi32(x4));
+      });
+    const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16 * g)));
+    const __m512 ov = _mm512_mul_ps(sv, _mm512_set1_ps(-128.f));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sv, _mm512_set1_ps(xd[g])), acc);
+    acc = _mm512_fmadd_ps(ov, _mm512_set1_ps(terms[g]), acc);
+  }
+  _mm512_storeu_ps(out, acc);
+}
+#endif
+
 // Block b's 8-bit records: u = 8 * h + l.
 void widen(const SplitView& w, int64_t b, uint8_t* out) {
   const uint8_t* h = w.high + b * w.ng * kHigh;
   const uint8_t* l = w.low + b * w.ng * kLow;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  auto mask = [](const uint8_t* p) {
-    uint64_t m;
-    std::memcpy(&m, p, 8);
-    return _cvtu64_mask64(m);
-  };
-  const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
-  const __m512i bit[3] = {_mm512_set1_epi8(1), _mm512_set1_epi8(2), _mm512_set1_epi8(4)};
+  const Unpack un;
   for (int64_t g = 0; g < w.ng; ++g, h += kHigh, l += kLow, out += kWide) {
     // the planes stream from memory: ask for the lines kAhead groups on (into the next block's at the end)
     for (int line = 0; line < kHigh; line += 64) _mm_prefetch(reinterpret_cast<const char*>(h + kAhead * kHigh + line), _MM_HINT_T0);
     for (int line = 0; line < kLow; line += 64) _mm_prefetch(reinterpret_cast<const char*>(l + kAhead * kLow + line), _MM_HINT_T0);
-    for (int p = 0; p < 4; ++p) {
-      const __m512i v = _mm512_loadu_si512(h + 64 * p);
-      __m512i reg[2] = {_mm512_and_si512(v, nibble), _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)};
-      for (int half = 0; half < 2; ++half) {
-        const int r = 2 * p + half;
-        __m512i u = _mm512_mask_add_epi8(reg[half], mask(h + 256 + 16 * p + 8 * half), reg[half], sixteen);
-        u = _mm512_slli_epi16(u, 3);  // bytes <= 31: no bit crosses into the next byte
-        for (int t = 0; t < 3; ++t) u = _mm512_mask_add_epi8(u, mask(l + 24 * r + 8 * t), u, bit[t]);
-        _mm512_storeu_si512(out + 64 * r, u);
-      }
-    }
+    for (int p = 0; p < 4; ++p) un.piece(h, l, p, [&](int r, __m512i u) { _mm512_storeu_si512(out + 64 * r, u); });
   }
 #else
   for (int64_t g = 0; g < w.ng; ++g, h += kHigh, l += kLow, out += kWide)
@@ -102,9 +156,23 @@ void widen(const SplitView& w, int64_t b, uint8_t* out) {
 }
 
 // The exact outputs of blocks b..e-1 for M rows of activations (a row at a time: xq + m * K etc.): out[m * ldo +
-// 16 * (b' - b) + j]. scratch: kWide * ng + kSlack bytes.
+// 16 * (b' - b) + j]. Up to kRowsInRegisters rows unpack the planes in registers for each row (exact_row); more
+// widen each block to memory once for the 8-bit tiles of all rows. scratch: kWide * ng + kSlack bytes.
+#ifndef DI_SPLIT_REGISTER_ROWS
+#define DI_SPLIT_REGISTER_ROWS 2
+#endif
+constexpr int64_t kRowsInRegisters = DI_SPLIT_REGISTER_ROWS;
 void exact_blocks(const SplitView& w, const int8_t* xq, const float* xd, const int32_t* xs, const float* xt,
                   int64_t M, float* out, int64_t ldo, int64_t b, int64_t e, uint8_t* scratch) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (M <= kRowsInRegisters) {
+    const int64_t K = w.k;
+    for (int64_t bb = b; bb < e; ++bb)
+      for (int64_t m = 0; m < M; ++m)
+        exact_row(w, bb, xq + m * K, xd + m * (K / 32), xt + m * (3 * K / 32), out + m * ldo + 16 * (bb - b));
+    return;
+  }
+#endif
   for (int64_t bb = b; bb < e; ++bb) {
     widen(w, bb, scratch);
     const QuantView v{scratch, w.scales + bb * w.ng * 16, nullptr, -128.f, 8, 32, 1, w.k, true, false};
