@@ -263,8 +263,9 @@ class EngineConfig:
     # quantized weights in 2 MiB pages where the kernel grants them (ops/huge_pages.py; DEEPINFER_HUGE_PAGES=0: off)
     huge_pages: bool = True
     # an 8-bit LM head (Q8_0, int8) in split planes: greedy steps of 1-2 rows read 5/8 of it, batches of 3+ rows
-    # cost more (ops/quant_linear.SplitWeight; DEEPINFER_SPLIT_HEAD=1: on)
-    split_head: bool = False
+    # cost more (ops/quant_linear.SplitWeight). None (auto, DEEPINFER_SPLIT_HEAD=auto or unset): on when one
+    # sequence runs at a time without speculative decoding and the head is over twice the last-level cache
+    split_head: bool | None = None
 
     @classmethod
     def from_kwargs(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> EngineConfig:
@@ -307,8 +308,11 @@ class EngineConfig:
             top["keep_host_memory"] = _env_flag(env, "DEEPINFER_KEEP_HOST_MEMORY", True)
         if "huge_pages" not in top:
             top["huge_pages"] = _env_flag(env, "DEEPINFER_HUGE_PAGES", True)
-        if "split_head" not in top:
-            top["split_head"] = _env_flag(env, "DEEPINFER_SPLIT_HEAD", False)
+        if "split_head" not in top and env.get("DEEPINFER_SPLIT_HEAD", "auto").strip().lower() not in ("", "auto"):
+            try:
+                top["split_head"] = _env_flag(env, "DEEPINFER_SPLIT_HEAD", False)
+            except ValueError:
+                raise ValueError(f"DEEPINFER_SPLIT_HEAD must be 0, 1 or auto, got {env['DEEPINFER_SPLIT_HEAD']!r}")
         if "enable_mtp_varlen" not in top:
             top["enable_mtp_varlen"] = _env_flag(env, "DEEPINFER_ENABLE_MTP_VARLEN", True)
         return cls(

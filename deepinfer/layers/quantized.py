@@ -44,9 +44,9 @@ class QuantWeight:
     def loaded(self) -> bool:
         return self.packed is not None or all(s is not None for s in self._shards)
 
-    def finalize(self, unify: Callable[[list[ql.Canonical]], ql.Canonical], split: bool = False) -> None:
-        """split: an LM head's 8-bit symmetric weight goes in split planes (ops/quant_linear.SplitWeight) where the
-        kernels have them."""
+    def finalize(self, unify: Callable[[list[ql.Canonical]], ql.Canonical], split: int | None = None) -> None:
+        """split: an LM head's 8-bit symmetric weight of at least this many bytes goes in split planes
+        (ops/quant_linear.SplitWeight) where the kernels have them; None: it stays packed."""
         if self.packed is not None or self.dense is not None:
             return
         whole = unify(self._shards)
@@ -55,7 +55,8 @@ class QuantWeight:
             self.dense = torch.from_numpy(np.ascontiguousarray(whole.dequantize()))
             return
         self.packed = ql.pack(whole)
-        if split and ql.splittable(self.packed) and hasattr(self.kernels, "split_head_argmax"):
+        if (split is not None and self.packed.nbytes >= split and ql.splittable(self.packed)
+                and hasattr(self.kernels, "split_head_argmax")):
             self.packed = ql.split(self.packed)
 
     @property

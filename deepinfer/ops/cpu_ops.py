@@ -30,6 +30,26 @@ ISA_FLAGS = {
 }
 
 
+def last_level_cache_bytes() -> int | None:
+    """The size of the CPU's last-level cache as sysfs reports it for CPU 0 (None where it cannot be read)."""
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    best = None
+    try:
+        for index in sorted(os.listdir(root)):
+            if not index.startswith("index"):
+                continue
+            with open(os.path.join(root, index, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(root, index, "size")) as f:
+                raw = f.read().strip().upper()
+            size = int(raw[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[raw[-1]] if raw[-1] in "KMG" else int(raw)
+            if best is None or level >= best[0]:
+                best = (level, size)
+    except (OSError, ValueError, KeyError):
+        return None
+    return None if best is None else best[1]
+
+
 def cpu_isa_flags() -> set[str]:
     """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
     try:

@@ -71,16 +71,18 @@ def prepare_quantized(model: nn.Module, mode: str, kernels: ModuleType | None) -
 
 
 def finalize_quantized(model: nn.Module, summary: QuantSummary, huge_pages: bool = True,
-                       split_head: bool = False) -> QuantSummary:
+                       split_head: int | None = None) -> QuantSummary:
     """Packs every loaded quantized weight (a tied head shares its embedding's) and, with huge_pages, moves the
     packed tensors into 2 MiB pages (ops/huge_pages.py); returns the summary with bytes. split_head: an LM head
-    without bias in 8-bit symmetric blocks (Q8_0, int8) goes in split planes (ops/quant_linear.SplitWeight)."""
+    without bias in 8-bit symmetric blocks (Q8_0, int8) of at least this many bytes goes in split planes
+    (ops/quant_linear.SplitWeight); None: none does."""
     heads = {id(m.weight) for m in model.modules() if isinstance(m, QuantizedLinear) and m.head and m.bias is None}
     seen, total, tensors = set(), 0, []
     for module in model.modules():
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and id(module.weight) not in seen:
             seen.add(id(module.weight))
-            module.weight.finalize(unify, split=split_head and id(module.weight) in heads)
+            module.weight.finalize(unify, split=None if split_head is None or id(module.weight) not in heads
+                                   else split_head)
             total += module.weight.nbytes
             if module.weight.packed is not None:
                 tensors += list(module.weight.packed.tensors)

@@ -17,6 +17,8 @@ from deepinfer.core.plan import StepPlan, StepResult
 from deepinfer.layers.moe import MoEStep, moe_step
 from deepinfer.models.loader import ModelFiles, iter_weights
 from deepinfer.ops import cpu_attention, cpu_ops
+from deepinfer.ops.cpu_ops import last_level_cache_bytes
+from deepinfer.ops.quant_linear import SplitWeight, splittable
 from deepinfer.spec.mtp_head import load_head
 from deepinfer.transforms.quantize import finalize_quantized, prepare_quantized
 from deepinfer.worker.host_memory import keep_freed_memory
@@ -50,6 +52,35 @@ class Executor(ABC):
         """Releases the workers; the executor is not used afterwards."""
 
 
+def split_head_bytes(config: EngineConfig, ops) -> int | None:
+    """The smallest 8-bit LM head build_model puts in split planes (None: none). Auto (config.split_head None): only
+    where every greedy step has one row (one sequence at a time, no drafts to verify: 2+ rows gain less or lose,
+    doc/inference_deployment_qa.md) and only heads over twice the last-level cache (one that fits reads from cache
+    and only pays for the unpacking)."""
+    if ops is None or config.split_head is False:
+        return None
+    if config.split_head:
+        return 0
+    if config.scheduler.max_num_seqs != 1 or config.spec.enabled:
+        return None
+    return 2 * (last_level_cache_bytes() or 32 << 20)
+
+
+def split_head_report(config: EngineConfig, model) -> str:
+    """For the start-up log: whether the head went in split planes, and why."""
+    packed = getattr(getattr(getattr(model, "lm_head", None), "weight", None), "packed", None)
+    if isinstance(packed, SplitWeight):
+        how = "DEEPINFER_SPLIT_HEAD=1" if config.split_head else "auto: one sequence at a time, head over 2x the L3"
+        return f"yes ({how}): greedy steps of up to {packed.max_rows} rows read 5/8 of it"
+    if config.split_head is False:
+        return "no (DEEPINFER_SPLIT_HEAD=0)"
+    if packed is None or not splittable(packed):
+        return "no (not an 8-bit symmetric head)"
+    if config.split_head is None and (config.scheduler.max_num_seqs != 1 or config.spec.enabled):
+        return "no (auto: only with max_num_seqs 1 and no speculative decoding; DEEPINFER_SPLIT_HEAD=1 forces it)"
+    return "no (auto: the head fits in twice the last-level cache)"
+
+
 def _int8_before_load(ops, huge_pages: bool):
     """The quantization transform as load_head's hook: swaps before the weights load, packs after."""
     def prepare(mtp):
@@ -79,7 +110,9 @@ class InProcessExecutor(Executor):
         self.model = build_model(files.hf_config, weights, compute.dtype, compute.device, max_model_len,
                                  batch_invariant=config.batch_invariant, quantization=compute.quantization,
                                  ops=ops, fused_glue=glue, huge_pages=config.huge_pages,
-                                 split_head=config.split_head)
+                                 split_head=split_head_bytes(config, ops))
+        if ops is not None and compute.quantization is not None:
+            logger.info("LM head in split planes: %s", split_head_report(config, self.model))
         self.quantized = compute.quantization is not None
         self._prepare_mtp(files, ops, glue)
         self.runner: ModelRunner | None = None

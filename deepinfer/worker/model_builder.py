@@ -8,7 +8,6 @@ import torch
 
 from deepinfer.models.registry import model_class
 from deepinfer.ops.cpu_ops import cpu_isa_flags
-from deepinfer.ops.quant_linear import SplitWeight
 from deepinfer.transforms.batch_invariant import make_batch_invariant
 from deepinfer.transforms.fused_ops import enable_fused_ops
 from deepinfer.transforms.onednn import native_bf16, prepack_bf16_linears
@@ -54,12 +53,12 @@ def compute_layers(module: torch.nn.Module, ops: ModuleType | None, batch_invari
 
 def build_model(hf_config: dict, weights, dtype: str, device: str, max_positions: int,
                 batch_invariant: bool = False, quantization: str | None = None, ops: ModuleType | None = None,
-                fused_glue: bool = False, huge_pages: bool = True, split_head: bool = False) -> torch.nn.Module:
+                fused_glue: bool = False, huge_pages: bool = True, split_head: int | None = None) -> torch.nn.Module:
     """quantization: None (dense weights in dtype) or a transforms/quantize.py mode; its layers compute with the
     compiled ops (ops/cpu_ops.py), or on dequantized float32 weights when `ops` is None. fused_glue: norms,
     activations, rotary and cache writes through the compiled ops too (transforms/fused_ops.py). huge_pages: packed
-    weights in 2 MiB pages (ops/huge_pages.py). split_head: an 8-bit LM head in split planes (greedy steps of few
-    rows read 5/8 of it; ops/quant_linear.SplitWeight)."""
+    weights in 2 MiB pages (ops/huge_pages.py). split_head: an 8-bit LM head of at least this many bytes in split
+    planes (greedy steps of few rows read 5/8 of it; ops/quant_linear.SplitWeight); None: not split."""
     klass = model_class(architecture_of(hf_config))
     config = hf_config_object(hf_config)
     torch_dtype = TORCH_DTYPES[dtype]
@@ -72,11 +71,6 @@ def build_model(hf_config: dict, weights, dtype: str, device: str, max_positions
         logger.info("quantization %s: %d layers on packed blocks (%.1f MiB; %s)%s", summary.mode, summary.quantized,
                     summary.weight_bytes / 2**20, summary.pages(),
                     f"; dense: {', '.join(summary.dense)}" if summary.dense else "")
-        if split_head:
-            head = getattr(getattr(model, "lm_head", None), "weight", None)
-            split = isinstance(getattr(head, "packed", None), SplitWeight)
-            logger.info("LM head in split planes (DEEPINFER_SPLIT_HEAD=1): %s", f"greedy steps of up to "
-                        f"{head.packed.max_rows} rows read 5/8 of it" if split else "no (not an 8-bit symmetric head)")
     keep = getattr(model, "fp32_param_suffixes", ())
     for name, param in model.named_parameters():  # buffers (RoPE tables) stay float32
         if not (keep and name.endswith(keep)):
