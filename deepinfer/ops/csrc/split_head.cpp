@@ -10,7 +10,7 @@
 // The greedy token (split_head_argmax) in two passes, exact:
 //   1. every output from the high plane alone, as the 5-bit tiles compute w~ = d * (8h + 3.5) (the middle of the
 //      values l leaves open): with scale d, c = -15.5625 and the activation scales times 8 (exact);
-//   2. the exact outputs (the 8-bit tiles on the widened block) only of blocks that can hold the largest one.
+//   2. the exact outputs (the 8-bit tiles' arithmetic) only of blocks that can hold the largest one.
 // |z - z~| <= R_i ||x||_2 by Cauchy-Schwarz, R_i = ||d (l - 3.5)||_2 over row i's weights, plus the float rounding
 // of both passes, bounded by E2_i ||x||_1 (E2_i = gamma * 760 * max_g d: every term of either sum is at most 383 d
 // |x| and gamma covers 2 ng + 16 roundings, twice). Row i's bound is bound[i] = (R_i, E2_i), rounded up at packing.
@@ -33,11 +33,12 @@
 namespace {
 
 constexpr int64_t kHigh = 320, kLow = 192, kWide = 512;  // bytes per group: high record, low planes, 8-bit record
-constexpr int64_t kSlack = 4096;
+constexpr int64_t kSlack = 4096;  // room past a widened block for the 8-bit tiles' prefetches
+// The planes stream from memory: their lines are asked for kAhead groups ahead (4, 8 and 16 measured alike).
 #ifndef DI_SPLIT_AHEAD
 #define DI_SPLIT_AHEAD 4
 #endif
-constexpr int64_t kAhead = DI_SPLIT_AHEAD;  // room past a widened block for the 8-bit tiles' prefetches
+constexpr int64_t kAhead = DI_SPLIT_AHEAD;
 
 struct SplitView {
   const uint8_t* high;
