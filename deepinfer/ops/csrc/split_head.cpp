@@ -32,6 +32,7 @@
 
 namespace {
 
+typedef int32_t __attribute__((may_alias)) bytes4;  // 4 int8 activations read as one operand
 constexpr int64_t kHigh = 320, kLow = 192, kWide = 512;  // bytes per group: high record, low planes, 8-bit record
 constexpr int64_t kSlack = 4096;  // room past a widened block for the 8-bit tiles' prefetches
 // The planes stream from memory: their lines are asked for kAhead groups ahead (4, 8 and 16 measured alike).
@@ -63,16 +64,35 @@ SplitView split_view(const torch::Tensor& high, const torch::Tensor& low, const 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // The 8-bit records' registers of one group, r = 0..7, from its high record h and low planes l.
 struct Unpack {
-  const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
 #if defined(__GFNI__) && defined(__AVX512VBMI__)
-  __m512i index, select = _mm512_set1_epi64(0x8040201008040201ll);
+  // u = (nibble << 3) | (fifth << 7) | l, the last two from one bit transpose: qword q of the register gets the
+  // low planes' bytes q at bytes 7, 6, 5 and the fifth bits' byte q at byte 0 (vpermt2b); gf2p8affineqb with byte j
+  // of the selector 1 << j makes bit i of byte j bit j of byte 7 - i: byte j = l | fifth << 7 of value 8q + j
+  const __m512i select = _mm512_set1_epi64(0x8040201008040201ll), middle = _mm512_set1_epi8(0x78);
+  __m512i index;
   Unpack() {
     alignas(64) uint8_t at[64];
     for (int q = 0; q < 8; ++q)
-      for (int i = 0; i < 8; ++i) at[8 * q + i] = i == 7 ? q : i == 6 ? 8 + q : i == 5 ? 16 + q : 0;
+      for (int i = 0; i < 8; ++i) at[8 * q + i] = i == 7 ? q : i == 6 ? 8 + q : i == 5 ? 16 + q : i == 0 ? 64 + q : 0;
     index = _mm512_load_si512(at);
   }
-#endif
+  // registers 2p and 2p + 1
+  template <class F>
+  __attribute__((always_inline)) void piece(const uint8_t* h, const uint8_t* l, int p, F&& use) const {
+    const __m512i v = _mm512_loadu_si512(h + 64 * p);
+    const __m512i shifted[2] = {_mm512_slli_epi16(v, 3), _mm512_srli_epi16(v, 1)};  // each nibble to bits 3..6
+    for (int half = 0; half < 2; ++half) {
+      const int r = 2 * p + half;
+      const __m512i planes = _mm512_maskz_loadu_epi8(0xFFFFFFull, l + 24 * r);
+      const __m512i fifth = _mm512_maskz_loadu_epi8(0xFFull, h + 256 + 8 * r);
+      const __m512i spread = _mm512_maskz_permutex2var_epi8(0xE1E1E1E1E1E1E1E1ull, planes, index, fifth);
+      const __m512i low = _mm512_gf2p8affine_epi64_epi8(select, spread, 0);
+      use(r, _mm512_ternarylogic_epi32(shifted[half], middle, low, 0xEA));  // (shifted & middle) | low
+    }
+  }
+#else
+  const __m512i sixteen = _mm512_set1_epi8(16);
   static __mmask64 mask(const uint8_t* p) {
     uint64_t m;
     std::memcpy(&m, p, 8);
@@ -87,18 +107,11 @@ struct Unpack {
       const int r = 2 * p + half;
       __m512i u = _mm512_mask_add_epi8(reg[half], mask(h + 256 + 16 * p + 8 * half), reg[half], sixteen);
       u = _mm512_slli_epi16(u, 3);  // bytes <= 31: no bit crosses into the next byte
-#if defined(__GFNI__) && defined(__AVX512VBMI__)
-      // qword q of the register gets the planes' bytes q at bytes 7, 6, 5 (vpermb); gf2p8affineqb with byte j of
-      // the selector 1 << j makes bit i of byte j bit j of byte 7 - i: byte j = l of value 8q + j
-      const __m512i planes = _mm512_maskz_loadu_epi8(0xFFFFFFull, l + 24 * r);
-      const __m512i spread = _mm512_maskz_permutexvar_epi8(0xE0E0E0E0E0E0E0E0ull, index, planes);
-      u = _mm512_or_si512(u, _mm512_gf2p8affine_epi64_epi8(select, spread, 0));
-#else
       for (int t = 0; t < 3; ++t) u = _mm512_mask_add_epi8(u, mask(l + 24 * r + 8 * t), u, _mm512_set1_epi8(1 << t));
-#endif
       use(r, u);
     }
   }
+#endif
 };
 
 // Block b's outputs for one activation row, exactly as the 8-bit tiles compute them on the widened records (the
@@ -116,10 +129,8 @@ void exact_row(const SplitView& w, int64_t b, const int8_t* xq, const float* xd,
     for (int line = 0; line < kLow; line += 64) _mm_prefetch(reinterpret_cast<const char*>(l + kAhead * kLow + line), _MM_HINT_T0);
     __m512i isum = _mm512_setzero_si512();
     for (int p = 0; p < 4; ++p)
-      un.piece(h, l, p, [&](int r, __m512i u) {
-        int32_t x4;
-        std::memcpy(&x4, xq + 32 * g + 4 * r, 4);
-        isum = _mm512_dpbusd_epi32(isum, u, _mm512_set1_epi32(x4));
+      un.piece(h, l, p, [&](int r, __m512i u) {  // the 4 activations broadcast from memory, as the tiles do
+        __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(isum) : "v"(u), "m"(*reinterpret_cast<const bytes4*>(xq + 32 * g + 4 * r)));
       });
     const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16 * g)));
     const __m512 ov = _mm512_mul_ps(sv, _mm512_set1_ps(-128.f));
@@ -190,6 +201,37 @@ torch::Tensor exact_argmax(const SplitView& w, const QuantActs& a, int64_t M, in
     exact_blocks(w, a.xq.data_ptr<int8_t>(), a.xd.data_ptr<float>(), a.xs.data_ptr<int32_t>(),
                  a.xt.data_ptr<float>(), M, buf, ldo, b, e, scratch.data());
   });
+}
+
+// A block's largest lower and upper bounds z~ -+ B over its first `cols` outputs, B = R l2 + E2 l1 (r: the 16 rows'
+// (R, E2) pairs); false where a value or a bound is not finite.
+inline bool block_bounds(const float* z, const float* r, int cols, float l2, float l1, float* lo, float* hi) {
+#if defined(__AVX512F__)
+  const __mmask16 k = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512 a = _mm512_loadu_ps(r), b = _mm512_loadu_ps(r + 16);
+  const __m512 B = _mm512_add_ps(_mm512_mul_ps(_mm512_permutex2var_ps(a, even, b), _mm512_set1_ps(l2)),
+                                 _mm512_mul_ps(_mm512_permutex2var_ps(a, odd, b), _mm512_set1_ps(l1)));
+  const __m512 v = _mm512_maskz_loadu_ps(k, z), zero = _mm512_setzero_ps();
+  // x - x is 0 for every finite x, NaN for inf and NaN
+  const __mmask16 ok = _mm512_mask_cmp_ps_mask(k, _mm512_sub_ps(v, v), zero, _CMP_EQ_OQ) &
+                       _mm512_mask_cmp_ps_mask(k, _mm512_sub_ps(B, B), zero, _CMP_EQ_OQ);
+  *lo = _mm512_mask_reduce_max_ps(k, _mm512_sub_ps(v, B));
+  *hi = _mm512_mask_reduce_max_ps(k, _mm512_add_ps(v, B));
+  return ok == k;
+#else
+  float low = -INFINITY, high = -INFINITY;
+  bool finite = true;
+  for (int j = 0; j < cols; ++j) {
+    const float B = r[2 * j] * l2 + r[2 * j + 1] * l1;
+    finite = finite && std::isfinite(z[j]) && std::isfinite(B);
+    low = std::max(low, z[j] - B);
+    high = std::max(high, z[j] + B);
+  }
+  *lo = low, *hi = high;
+  return finite;
+#endif
 }
 
 struct Candidate {
@@ -299,15 +341,8 @@ torch::Tensor split_head_argmax(torch::Tensor x, torch::Tensor high, torch::Tens
             const float* z = buf.data() + m * width + 16 * (bb - b);
             const float* r = bd + 32 * bb;
             const int cols = (int)std::min<int64_t>(16, n - 16 * bb);
-            float lo = -INFINITY, hi = -INFINITY;
-            bool finite = true;
-            for (int j = 0; j < cols; ++j) {
-              const float B = r[2 * j] * l2[m] + r[2 * j + 1] * l1[m];
-              finite = finite && std::isfinite(z[j]) && std::isfinite(B);
-              lo = std::max(lo, z[j] - B);
-              hi = std::max(hi, z[j] + B);
-            }
-            if (!finite) bad[t] = 1;
+            float lo, hi;
+            if (!block_bounds(z, r, cols, l2[m], l1[m], &lo, &hi)) bad[t] = 1;
             low_m = std::max(low_m, lo);
             if (hi >= low_m) found[t].push_back({m, bb, hi});
           }
