@@ -1,6 +1,6 @@
 """An 8-bit LM head in split planes (DEEPINFER_SPLIT_HEAD=1, ops/quant_linear.SplitWeight) against the 8-bit layout:
-the head alone (greedy argmax and logits of one row) and one user's greedy
-decoding end to end, the two engines taking turns in one process; same tokens checked.
+the head alone (greedy argmax and logits of one row) and one user's decoding end to end, greedy and sampled
+(seeded), the two engines taking turns in one process; same tokens checked.
 
     python benchmarks/split_head.py [--model PATH] [--rounds 4] [--out results/split_head.json]
 """
@@ -51,8 +51,8 @@ def head_times(off: LLM, on: LLM, rounds: int) -> dict:
     return out
 
 
-def decode(llm: LLM, max_tokens: int) -> tuple[float, list]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+def decode(llm: LLM, max_tokens: int, temperature: float = 0.0) -> tuple[float, list]:
+    params = SamplingParams(temperature=temperature, seed=0, max_tokens=max_tokens, ignore_eos=True)
     t = time.perf_counter()
     tokens = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     return sum(len(x) for x in tokens) / (time.perf_counter() - t), tokens
@@ -69,19 +69,21 @@ def main() -> None:
     if not isinstance(on.engine.executor.runner.model.lm_head.weight.packed, ql.SplitWeight):
         sys.exit("this model's LM head is not an 8-bit symmetric head: nothing to split")
     head = head_times(off, on, args.rounds)
-    rates = {"8bit": [], "split": []}
+    rates = {"greedy": {"8bit": [], "split": []}, "sampled": {"8bit": [], "split": []}}
     decode(off, 8), decode(on, 8)  # warm
     for _ in range(args.rounds):
-        for key, llm in (("8bit", off), ("split", on)):
-            rate, tokens = decode(llm, args.max_tokens)
-            rates[key].append(rate)
-            if key == "8bit":
-                want = tokens
-            elif tokens != want:
-                sys.exit("the split head changed the greedy tokens")
+        for mode, temperature in (("greedy", 0.0), ("sampled", 0.8)):
+            for key, llm in (("8bit", off), ("split", on)):
+                rate, tokens = decode(llm, args.max_tokens, temperature)
+                rates[mode][key].append(rate)
+                if key == "8bit":
+                    want = tokens
+                elif tokens != want:
+                    sys.exit(f"the split head changed the {mode} tokens")
     result = {"model": args.model or "bundled SmolLM2", "head_ms": head,
-              "decode_tokens_per_s": {k: statistics.median(v) for k, v in rates.items()},
-              "decode_speedup": statistics.median(b / a for a, b in zip(rates["8bit"], rates["split"])),
+              "decode_tokens_per_s": {mode: {k: statistics.median(v) for k, v in r.items()} for mode, r in rates.items()},
+              "decode_speedup": {mode: statistics.median(b / a for a, b in zip(r["8bit"], r["split"]))
+                                 for mode, r in rates.items()},
               "rounds": rates}
     print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, indent=1))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

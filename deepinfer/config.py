@@ -262,10 +262,10 @@ class EngineConfig:
     keep_host_memory: bool = True
     # quantized weights in 2 MiB pages where the kernel grants them (ops/huge_pages.py; DEEPINFER_HUGE_PAGES=0: off)
     huge_pages: bool = True
-    # an 8-bit LM head (Q8_0, int8) in split planes: greedy steps of 1-2 rows read 5/8 of it, batches of 3+ rows
-    # cost more (ops/quant_linear.SplitWeight). None (auto, DEEPINFER_SPLIT_HEAD=auto or unset): on when one
-    # sequence runs at a time without speculative decoding and the head is over twice the last-level cache
-    split_head: bool | None = None
+    # an 8-bit LM head (Q8_0, int8) in split planes: greedy steps of 1-2 rows read 5/8 of it, sampled steps and
+    # batches of 3+ rows cost more (ops/quant_linear.SplitWeight; DEEPINFER_SPLIT_HEAD=1). None (DEEPINFER_SPLIT_HEAD=
+    # auto): on when one sequence runs at a time without speculative decoding and the head is over twice the L3
+    split_head: bool | None = False
 
     @classmethod
     def from_kwargs(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> EngineConfig:
@@ -308,7 +308,9 @@ class EngineConfig:
             top["keep_host_memory"] = _env_flag(env, "DEEPINFER_KEEP_HOST_MEMORY", True)
         if "huge_pages" not in top:
             top["huge_pages"] = _env_flag(env, "DEEPINFER_HUGE_PAGES", True)
-        if "split_head" not in top and env.get("DEEPINFER_SPLIT_HEAD", "auto").strip().lower() not in ("", "auto"):
+        if "split_head" not in top and env.get("DEEPINFER_SPLIT_HEAD", "").strip().lower() == "auto":
+            top["split_head"] = None
+        elif "split_head" not in top:
             try:
                 top["split_head"] = _env_flag(env, "DEEPINFER_SPLIT_HEAD", False)
             except ValueError:

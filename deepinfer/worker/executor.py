@@ -53,10 +53,10 @@ class Executor(ABC):
 
 
 def split_head_bytes(config: EngineConfig, ops) -> int | None:
-    """The smallest 8-bit LM head build_model puts in split planes (None: none). Auto (config.split_head None): only
-    where every greedy step has one row (one sequence at a time, no drafts to verify: 2+ rows gain less or lose,
-    doc/inference_deployment_qa.md) and only heads over twice the last-level cache (one that fits reads from cache
-    and only pays for the unpacking)."""
+    """The smallest 8-bit LM head build_model puts in split planes (None: none; off unless asked for, since sampled
+    steps pay for the unpacking where the memory is fast). Auto (config.split_head None): only where every step has
+    one row (one sequence at a time, no drafts to verify: 3+ rows lose, doc/inference_deployment_qa.md) and only
+    heads over twice the last-level cache (one that fits reads from cache and only pays for the unpacking)."""
     if ops is None or config.split_head is False:
         return None
     if config.split_head:
@@ -70,10 +70,10 @@ def split_head_report(config: EngineConfig, model) -> str:
     """For the start-up log: whether the head went in split planes, and why."""
     packed = getattr(getattr(getattr(model, "lm_head", None), "weight", None), "packed", None)
     if isinstance(packed, SplitWeight):
-        how = "DEEPINFER_SPLIT_HEAD=1" if config.split_head else "auto: one sequence at a time, head over 2x the L3"
+        how = "DEEPINFER_SPLIT_HEAD=1" if config.split_head else "auto: one sequence at a time, the head over 2x the L3"
         return f"yes ({how}): greedy steps of up to {packed.max_rows} rows read 5/8 of it"
     if config.split_head is False:
-        return "no (DEEPINFER_SPLIT_HEAD=0)"
+        return "no (off by default; DEEPINFER_SPLIT_HEAD=1 or auto for one-user greedy decoding)"
     if packed is None or not splittable(packed):
         return "no (not an 8-bit symmetric head)"
     if config.split_head is None and (config.scheduler.max_num_seqs != 1 or config.spec.enabled):
