@@ -115,7 +115,7 @@ def head_argmax(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
     if not isinstance(head, QuantizedLinear):
         return None
     w = head.weight
-    if w.packed is None or head.bias is not None or not hasattr(w.kernels, "quant_linear_argmax"):  # older builds
+    if w.packed is None or head.bias is not None or not hasattr(w.kernels, "quant_linear_argmax"):
         return None
     return ql.argmax(w.kernels, hidden.float(), w.packed)
 

@@ -142,6 +142,7 @@ def pack(w: Canonical) -> PackedWeight:
 
 
 INT8 = QuantFormat(8, 32, "float16", False, -128)
+INT4 = QuantFormat(4, 32, "float16", True)
 
 # A greedy step of at most this many rows takes a split head's argmax in two passes; larger ones widen every block
 # (csrc/split_head.cpp). Gemma 3's head on the 2-core Zen 4 EPYC, on its own final states, against the 8-bit
@@ -207,7 +208,6 @@ def split(w: PackedWeight, max_rows: int = SPLIT_ARGMAX_ROWS, chunk: int = 1024)
         bound[b0 : b0 + n, :, 1] = _round_up(gamma * 760 * np.abs(d).max(axis=1) * (1 + 2.0 ** -20))
     return SplitWeight(w.n, w.k, torch.from_numpy(high), torch.from_numpy(low), w.scales,
                        torch.from_numpy(bound.reshape(nb * 16, 2)), max_rows)
-INT4 = QuantFormat(4, 32, "float16", True)
 
 
 def quantize_int8(w: np.ndarray) -> Canonical:
