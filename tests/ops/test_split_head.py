@@ -94,17 +94,23 @@ def test_only_8bit_symmetric_weights_split_and_bad_inputs_are_refused(kernels):
         ql.rows(kernels, torch.tensor([32]), split)
 
 
+# AVX-512 builds with features off, as CPUs without them have (Cascade Lake: VNNI without GFNI and VBMI; Skylake-X:
+# none of the three): the low planes unpacked with masked adds, and without VNNI no unpacking in registers
+_AVX512_BUILDS = {"avx512-nogfni": ["-mno-gfni", "-mno-avx512vbmi"],
+                  "avx512-novnni": ["-mno-gfni", "-mno-avx512vbmi", "-mno-avx512vnni", "-mno-avxvnni"]}
+
+
 def _split_builds() -> list[str]:
-    """The lower builds, and on an AVX-512 CPU with GFNI and VBMI one without them (the low planes unpacked with
-    masked adds instead of a bit transpose)."""
+    """The lower builds, and on an AVX-512 CPU with VNNI, GFNI and VBMI the AVX-512 builds without them."""
     flags = cpu_ops.cpu_isa_flags()
-    return _isa_builds() + (["avx512-nogfni"] if {"avx512bw", "gfni", "avx512vbmi"} <= flags else [])
+    full = {"avx512bw", "avx512_vnni", "gfni", "avx512vbmi"} <= flags
+    return _isa_builds() + (list(_AVX512_BUILDS) if full else [])
 
 
 @pytest.mark.parametrize("isa", _split_builds())
 def test_every_instruction_set_build_gives_the_same_bits(kernels, isa):
-    if isa == "avx512-nogfni":
-        other = cpu_ops.build("deepinfer_cpu_ops_test_nogfni", ["-march=native", "-mno-gfni", "-mno-avx512vbmi"])
+    if isa in _AVX512_BUILDS:
+        other = cpu_ops.build(f"deepinfer_cpu_ops_test_{isa.replace('-', '_')}", ["-march=native", *_AVX512_BUILDS[isa]])
     else:
         other = cpu_ops.load(isa)
     assert other is not None, f"the {isa} build failed"

@@ -113,7 +113,9 @@ struct Unpack {
   }
 #endif
 };
+#endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // Block b's outputs for one activation row, exactly as the 8-bit tiles compute them on the widened records (the
 // same integer sums, then per group acc += float(isum) * (scale * d); acc += (scale * -128) * (d * float(xsum))),
 // the unpacking done in registers: one row reads the planes once and widens nothing to memory.
@@ -176,7 +178,7 @@ void widen(const SplitView& w, int64_t b, uint8_t* out) {
 constexpr int64_t kRowsInRegisters = DI_SPLIT_REGISTER_ROWS;
 void exact_blocks(const SplitView& w, const int8_t* xq, const float* xd, const int32_t* xs, const float* xt,
                   int64_t M, float* out, int64_t ldo, int64_t b, int64_t e, uint8_t* scratch) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)  // AVX-512 without VNNI: widened
   if (M <= kRowsInRegisters) {
     const int64_t K = w.k;
     for (int64_t bb = b; bb < e; ++bb)
