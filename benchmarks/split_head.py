@@ -30,9 +30,9 @@ def engine(model: str | None, split: bool) -> LLM:
 
 def head_times(off: LLM, on: LLM, rounds: int) -> dict:
     """ms per call of the head's argmax and logits for one row."""
-    runner = off.engine.executor.runner
-    packed, split = runner.model.lm_head.weight.packed, on.engine.executor.runner.model.lm_head.weight.packed
-    kernels = off.engine.executor.runner.model.lm_head.weight.kernels
+    head = off.engine.executor.runner.model.lm_head.weight
+    packed, kernels = head.packed, head.kernels
+    split = on.engine.executor.runner.model.lm_head.weight.packed
     g = torch.Generator().manual_seed(0)
     # random rows: their outputs are flatter than a model's own final states, so more blocks pass the bound and the
     # two-pass argmax gains less here than in the decode below

@@ -62,6 +62,12 @@ SplitView split_view(const torch::Tensor& high, const torch::Tensor& low, const 
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+// The planes stream from memory: ask for the lines kAhead groups on (into the next block's at a block's end).
+inline void prefetch_planes(const uint8_t* h, const uint8_t* l) {
+  for (int line = 0; line < kHigh; line += 64) _mm_prefetch(reinterpret_cast<const char*>(h + kAhead * kHigh + line), _MM_HINT_T0);
+  for (int line = 0; line < kLow; line += 64) _mm_prefetch(reinterpret_cast<const char*>(l + kAhead * kLow + line), _MM_HINT_T0);
+}
+
 // The 8-bit records' registers of one group, r = 0..7, from its high record h and low planes l.
 struct Unpack {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -127,8 +133,7 @@ void exact_row(const SplitView& w, int64_t b, const int8_t* xq, const float* xd,
   const float* terms = xt + w.k / 16;  // per 32 values (quant_linear.cpp's group_term)
   __m512 acc = _mm512_setzero_ps();
   for (int64_t g = 0; g < w.ng; ++g, h += kHigh, l += kLow) {
-    for (int line = 0; line < kHigh; line += 64) _mm_prefetch(reinterpret_cast<const char*>(h + kAhead * kHigh + line), _MM_HINT_T0);
-    for (int line = 0; line < kLow; line += 64) _mm_prefetch(reinterpret_cast<const char*>(l + kAhead * kLow + line), _MM_HINT_T0);
+    prefetch_planes(h, l);
     __m512i isum = _mm512_setzero_si512();
     for (int p = 0; p < 4; ++p)
       un.piece(h, l, p, [&](int r, __m512i u) {  // the 4 activations broadcast from memory, as the tiles do
@@ -143,6 +148,16 @@ void exact_row(const SplitView& w, int64_t b, const int8_t* xq, const float* xd,
 }
 #endif
 
+// Byte i of register r of a group's 8-bit record, from its high record h and low planes l (the portable reading).
+inline uint8_t quant_at(const uint8_t* h, const uint8_t* l, int r, int i) {
+  const int p = r / 2, half = r % 2;
+  const int nib = half ? h[64 * p + i] >> 4 : h[64 * p + i] & 0x0F;
+  const int fifth = (h[256 + 16 * p + 8 * half + i / 8] >> (i % 8)) & 1;
+  int lo = 0;
+  for (int t = 0; t < 3; ++t) lo |= ((l[24 * r + 8 * t + i / 8] >> (i % 8)) & 1) << t;
+  return (uint8_t)(8 * (nib + 16 * fifth) + lo);
+}
+
 // Block b's 8-bit records: u = 8 * h + l.
 void widen(const SplitView& w, int64_t b, uint8_t* out) {
   const uint8_t* h = w.high + b * w.ng * kHigh;
@@ -150,22 +165,13 @@ void widen(const SplitView& w, int64_t b, uint8_t* out) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   const Unpack un;
   for (int64_t g = 0; g < w.ng; ++g, h += kHigh, l += kLow, out += kWide) {
-    // the planes stream from memory: ask for the lines kAhead groups on (into the next block's at the end)
-    for (int line = 0; line < kHigh; line += 64) _mm_prefetch(reinterpret_cast<const char*>(h + kAhead * kHigh + line), _MM_HINT_T0);
-    for (int line = 0; line < kLow; line += 64) _mm_prefetch(reinterpret_cast<const char*>(l + kAhead * kLow + line), _MM_HINT_T0);
+    prefetch_planes(h, l);
     for (int p = 0; p < 4; ++p) un.piece(h, l, p, [&](int r, __m512i u) { _mm512_storeu_si512(out + 64 * r, u); });
   }
 #else
   for (int64_t g = 0; g < w.ng; ++g, h += kHigh, l += kLow, out += kWide)
     for (int r = 0; r < 8; ++r)
-      for (int i = 0; i < 64; ++i) {
-        const int p = r / 2, half = r % 2;
-        const int nib = half ? h[64 * p + i] >> 4 : h[64 * p + i] & 0x0F;
-        const int fifth = (h[256 + 16 * p + 8 * half + i / 8] >> (i % 8)) & 1;
-        int lo = 0;
-        for (int t = 0; t < 3; ++t) lo |= ((l[24 * r + 8 * t + i / 8] >> (i % 8)) & 1) << t;
-        out[64 * r + i] = (uint8_t)(8 * (nib + 16 * fifth) + lo);
-      }
+      for (int i = 0; i < 64; ++i) out[64 * r + i] = quant_at(h, l, r, i);
 #endif
 }
 
@@ -273,15 +279,15 @@ torch::Tensor split_head_rows(torch::Tensor ids, torch::Tensor high, torch::Tens
     TORCH_CHECK(id[t] >= 0 && id[t] < w.nb * 16, "split_head_rows: id ", id[t], " out of range");
   auto out = torch::empty({T, k}, torch::kFloat);
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> scratch = scratch_for(w);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = id[t] / 16, j = id[t] % 16;
-      widen(w, b, scratch.data());
+      const int64_t b = id[t] / 16;
+      const int j = (int)(id[t] % 16);
       float* dst = out.data_ptr<float>() + t * k;
-      for (int64_t g = 0; g < w.ng; ++g) {  // value i of row j: piece i / 4, byte 4j + i % 4 (quant_linear.cpp)
+      for (int64_t g = 0; g < w.ng; ++g) {  // value i of row j: register i / 4, byte 4j + i % 4 (quant_linear.cpp)
+        const uint8_t* h = w.high + (b * w.ng + g) * kHigh;
+        const uint8_t* l = w.low + (b * w.ng + g) * kLow;
         const float s = c10::detail::fp16_ieee_to_fp32_value(w.scales[(b * w.ng + g) * 16 + j]);
-        for (int i = 0; i < 32; ++i)
-          dst[32 * g + i] = s * (float)((int)scratch[g * kWide + 64 * (i / 4) + 4 * j + i % 4] - 128);
+        for (int i = 0; i < 32; ++i) dst[32 * g + i] = s * (float)((int)quant_at(h, l, i / 4, 4 * j + i % 4) - 128);
       }
     }
   });
