@@ -5,7 +5,9 @@ engine in turn, same token ids, exact output lengths (greedy, EOS ignored), floa
 thread count everywhere. Prints a table of output and total tokens/s with ratios against transformers, and writes
 JSON. `--batch-sizes 1,4,16,32,64` instead measures decode throughput at fixed concurrency (every request has
 --batch-prompt-len prompt tokens and --max-output output tokens), prompt processing of one --prefill-len prompt,
-and the weights' memory, and also writes a PNG plot.
+and the weights' memory, and also writes a PNG plot. With `--rounds N` every engine runs every point N times,
+taking turns in a rotating order on fresh prompts each round (benchmarks/rounds.py): on a machine whose memory
+bandwidth drifts, one pass per engine can put two engines in different spells; quote the medians.
 
 Engines: `deepinfer` (its default: a GGUF model computes on its quantized blocks), `deepinfer-f32` (dense
 float32), `transformers` (float32), `llama.cpp` (its own llama-bench / llama-batched-bench, with --llama-bin),
@@ -14,7 +16,7 @@ float32), `transformers` (float32), `llama.cpp` (its own llama-bench / llama-bat
     python benchmarks/throughput.py                                      # the full workload (tens of minutes)
     python benchmarks/throughput.py --num-requests 16 --max-prompt 128 --max-output 32
     python benchmarks/throughput.py --batch-sizes 1,16,64 --max-output 128 --llama-bin ~/llama.cpp/build/bin \
-        --vllm-python ~/vllm-venv/bin/python --vllm-model ~/smollm2-hf
+        --vllm-python ~/vllm-venv/bin/python --vllm-model ~/smollm2-hf --rounds 5
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from common import (  # noqa: E402
     write_json,
 )
 from peers import LlamaCppRunner, LlamaToolsRunner, VllmRunner  # noqa: E402
+from rounds import ROUND_SEED_STRIDE, median_extras, median_results, rotation  # noqa: E402
 from speed_extras import measure_extras, report_extras  # noqa: E402
 
 ENGINES = ("deepinfer", "deepinfer-f32", "transformers", "llama.cpp", "llama-cpp-python", "vllm", "vllm-bf16")
@@ -83,6 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the Hugging Face directory vLLM loads (a GGUF dequantized with transformers); "
                              "default: --model")
     parser.add_argument("--out", default=None, help="JSON path; default benchmarks/results/throughput-<timestamp>.json")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --batch-sizes: run every engine at every point this many times, taking turns "
+                        "(fresh prompts each round; tables show the median round, ratios the median of each round's "
+                        "own ratio; default %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     args = parser.parse_args(argv)
 
@@ -92,7 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [e for e in args.engines if e not in ENGINES]
     if unknown or not args.engines:
         parser.error(f"--engines must name some of {ENGINES}, got {unknown or args.engines}")
-    for name in ("num_requests", "max_prompt", "max_output", "batch_prompt_len", "hf_batch_size", "threads"):
+    if args.rounds > 1 and not args.batch_sizes:
+        parser.error("--rounds needs --batch-sizes (the workload mode runs each engine once)")
+    for name in ("num_requests", "max_prompt", "max_output", "batch_prompt_len", "hf_batch_size", "threads", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     args.deepinfer_options = dict(_option(o, parser) for o in args.deepinfer_option)
@@ -121,11 +130,14 @@ def _option(text: str, parser: argparse.ArgumentParser) -> tuple[str, Any]:
         return key, raw
 
 
-def plan_requests(args: argparse.Namespace, token_ids: list[int]) -> list[tuple[int | None, list[BenchRequest]]]:
-    """(concurrency or None, requests) pairs; each concurrency gets its own seed, so its prompts are new."""
+def plan_requests(args: argparse.Namespace, token_ids: list[int], round_index: int = 0
+                  ) -> list[tuple[int | None, list[BenchRequest]]]:
+    """(concurrency or None, requests) pairs; each concurrency and each round gets its own seed, so its prompts are
+    new."""
     if args.batch_sizes:
         length = min(args.batch_prompt_len, args.max_prompt)
-        return [(b, random_requests(b, (length, length), (args.max_output, args.max_output), token_ids, args.seed + b))
+        seed = args.seed + ROUND_SEED_STRIDE * round_index
+        return [(b, random_requests(b, (length, length), (args.max_output, args.max_output), token_ids, seed + b))
                 for b in args.batch_sizes]
     return [(None, random_requests(args.num_requests, (args.min_prompt, args.max_prompt),
                                    (args.min_output, args.max_output), token_ids, args.seed))]
@@ -150,37 +162,66 @@ def make_runner(engine: str, args: argparse.Namespace, model_path: str, n_ctx: i
                       measure_decode=bool(args.batch_sizes), dtype="bfloat16" if engine == "vllm-bf16" else "float32")
 
 
-def run_engines(args: argparse.Namespace, model_path: str, plans, warmup: list[BenchRequest], token_ids: list[int]):
-    n_ctx = max(len(r.prompt_token_ids) + r.output_len for _, requests in plans for r in requests + warmup)
-    results: list[tuple[int | None, RunResult]] = []
+def run_engines(args: argparse.Namespace, model_path: str, token_ids: list[int], warmup: list[BenchRequest]):
+    """(each round's results, engines). One round: each engine in turn, closed before the next starts (it gets the
+    memory back). More: every engine open at once and each round runs them all, in rotation (rounds.py)."""
+    plans = [plan_requests(args, token_ids, r) for r in range(args.rounds)]
+    n_ctx = max(len(r.prompt_token_ids) + r.output_len
+                for rounds in plans for _, requests in rounds for r in requests + warmup)
+    per_round: list[list[tuple[int | None, RunResult]]] = [[] for _ in range(args.rounds)]
     engines: dict[str, dict[str, Any]] = {}
-    for engine in args.engines:
-        print(f"== {engine}", flush=True)
+    extras: dict[str, list[dict[str, Any]]] = {}
+    for group in ([[e] for e in args.engines] if args.rounds == 1 else [args.engines]):
+        runners = {}
         try:
-            runner = make_runner(engine, args, model_path, n_ctx)
-        except EngineUnavailable as e:
-            print(f"   skipped: {e}", flush=True)
-            engines[engine] = {"status": "skipped", "reason": str(e)}
-            continue
-        except Exception as e:  # a peer that fails to start must not cost the other engines' results
-            print(f"   failed to start: {type(e).__name__}: {e}", flush=True)
-            engines[engine] = {"status": "skipped", "reason": f"failed to start: {e}"}
-            continue
-        try:
-            runner.warmup(warmup)
-            for concurrency, requests in plans:
-                result = runner.run(requests, progress=not args.no_progress)
-                results.append((concurrency, result))
-                print(f"   {_label(concurrency)}{result.output_tokens} output tokens in {result.wall_s:.2f}s: "
-                      f"{result.output_tok_s:.1f} out tok/s", flush=True)
-            engines[engine] = {"status": "ran", "mode": runner.mode}
-            if args.batch_sizes:
-                engines[engine].update(measure_extras(runner, args, model_path, token_ids))
+            for engine in group:
+                runner = _open(engine, args, model_path, n_ctx, warmup, engines)
+                if runner is not None:
+                    runners[engine] = runner
+            for r in range(args.rounds):
+                if args.rounds > 1:
+                    print(f"== round {r + 1} of {args.rounds}", flush=True)
+                for engine in rotation(list(runners), r):
+                    print(f"== {engine}", flush=True)
+                    for concurrency, requests in plans[r]:
+                        result = runners[engine].run(requests, progress=not args.no_progress)
+                        per_round[r].append((concurrency, result))
+                        print(f"   {_label(concurrency)}{result.output_tokens} output tokens in {result.wall_s:.2f}s: "
+                              f"{result.output_tok_s:.1f} out tok/s", flush=True)
+                    if args.batch_sizes:
+                        extras.setdefault(engine, []).append(
+                            measure_extras(runners[engine], args, model_path, token_ids, r))
         finally:
-            runner.close()
-            del runner
+            for runner in runners.values():
+                runner.close()
+            runners.clear()
             gc.collect()  # the next engine gets the memory back
-    return results, engines
+    for engine, rounds in extras.items():
+        engines[engine].update(median_extras(rounds))
+    return per_round, engines
+
+
+def _open(engine: str, args: argparse.Namespace, model_path: str, n_ctx: int, warmup: list[BenchRequest],
+          engines: dict[str, dict[str, Any]]) -> Runner | None:
+    """The warmed-up runner, or None with the reason in engines: a peer that cannot start costs only its own rows."""
+    print(f"== starting {engine}", flush=True)
+    try:
+        runner = make_runner(engine, args, model_path, n_ctx)
+    except EngineUnavailable as e:
+        print(f"   skipped: {e}", flush=True)
+        engines[engine] = {"status": "skipped", "reason": str(e)}
+        return None
+    except Exception as e:
+        print(f"   failed to start: {type(e).__name__}: {e}", flush=True)
+        engines[engine] = {"status": "skipped", "reason": f"failed to start: {e}"}
+        return None
+    try:
+        runner.warmup(warmup)
+    except BaseException:
+        runner.close()
+        raise
+    engines[engine] = {"status": "ran", "mode": runner.mode}
+    return runner
 
 
 def _label(concurrency: int | None) -> str:
@@ -221,8 +262,12 @@ def report_workload(results: list[tuple[int | None, RunResult]]) -> list[dict[st
     return rows
 
 
-def report_batches(results: list[tuple[int | None, RunResult]]) -> list[dict[str, Any]]:
+def report_batches(results: list[tuple[int | None, RunResult]], first_round: list[tuple[int | None, RunResult]]
+                   ) -> list[dict[str, Any]]:
+    """Rates from `results` (each point's median round); agreement with transformers from the first round, where
+    every engine had the same prompts."""
     base = {c: r for c, r in results if r.engine == BASELINE}
+    same_prompts = {(c, r.engine): r for c, r in first_round}
     header = (f"{'concurrency':>11}  {'engine':<13}{'output tok':>11}{'wall s':>9}{'out tok/s':>11}"
               f"{'decode tok/s':>14}{'out x HF':>10}{'decode x HF':>13}{'same as HF':>12}")
     print(header, "-" * len(header), sep="\n")
@@ -231,7 +276,8 @@ def report_batches(results: list[tuple[int | None, RunResult]]) -> list[dict[str
         hf = base.get(concurrency)
         out_ratio = _ratio(r.output_tok_s, hf and hf.output_tok_s)
         decode_ratio = _ratio(r.decode_tok_s, hf and hf.decode_tok_s)
-        agreement = hf and greedy_agreement(r, hf)
+        reference = same_prompts.get((concurrency, BASELINE))
+        agreement = reference and greedy_agreement(same_prompts[(concurrency, r.engine)], reference)
         print(f"{concurrency:>11}  {r.engine:<13}{r.output_tokens:>11}{r.wall_s:>9.1f}{r.output_tok_s:>11.1f}"
               f"{_fmt(r.decode_tok_s):>14}{_fmt(out_ratio, '.2f', 'x'):>10}{_fmt(decode_ratio, '.2f', 'x'):>13}"
               f"{_same(agreement):>12}")
@@ -281,19 +327,19 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)  # before anything runs, so both torch engines use the same count
     files = load_model_files(args.model)
     token_ids = ordinary_token_ids(load_tokenizer(files))
-    plans = plan_requests(args, token_ids)
     warmup = random_requests(2, (16, 16), (4, 4), token_ids, args.seed + WARMUP_SEED_OFFSET)
     machine = machine_info(args.threads)
 
-    results, engines = run_engines(args, files.path, plans, warmup, token_ids)
+    per_round, engines = run_engines(args, files.path, token_ids, warmup)
+    results = median_results(per_round)
     print()
     if not results:
         print("no engine ran")
-    rows = [] if not results else report_batches(results) if args.batch_sizes else report_workload(results)
+    rows = [] if not results else report_batches(results, per_round[0]) if args.batch_sizes else report_workload(results)
     summary = None
     if args.batch_sizes:
         print()
-        summary = report_extras(engines, results, files.path)
+        summary = report_extras(engines, results, files.path, per_round)
     for engine, info in engines.items():
         print(f"{engine}: {info.get('mode') or 'skipped: ' + info['reason']}")
 
@@ -306,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": files.path,
         "machine": machine,
         "load_average_end": os.getloadavg(),
-        "workloads": [{"concurrency": c, **workload_summary(reqs)} for c, reqs in plans],
+        "workloads": [{"concurrency": c, **workload_summary(reqs)} for c, reqs in plan_requests(args, token_ids)],
         "engines": engines,
         "results": rows,
         "versus_best_peer": summary,
