@@ -24,12 +24,15 @@ from typing import Any, Sequence
 from common import BenchRequest, EngineUnavailable, Runner, RunResult, _check_lengths
 
 
+class ToolCrashed(RuntimeError):
+    """A llama.cpp tool killed by a signal (SIGSEGV, SIGILL), not one that reported an error."""
+
+
 class LlamaToolsRunner(Runner):
     """llama.cpp's llama-batched-bench for one concurrency per call: every request must share one prompt length
     and one output length. decode_s: its T_TG (the generation phase, all sequences together)."""
 
     name = "llama.cpp"
-    mode = "llama-batched-bench (all sequences at once) and llama-bench"
 
     def __init__(self, bin_dir: str | None, model_path: str, threads: int) -> None:
         if not bin_dir:
@@ -42,9 +45,10 @@ class LlamaToolsRunner(Runner):
         if not model_path.endswith(".gguf"):
             raise EngineUnavailable(f"llama.cpp needs a .gguf model, got {model_path!r}")
         self.model, self.threads = model_path, threads
+        self.no_repack = ""  # why llama-batched-bench runs with -nr, once a repacked run crashed
 
     def warmup(self, requests: Sequence[BenchRequest]) -> None:
-        pass  # each tool run warms itself up
+        self._batched(8, 2, 1)  # each tool run warms itself up; this one finds out whether repacking crashes
 
     def run(self, requests: Sequence[BenchRequest], progress: bool = True) -> RunResult:
         prompts = {len(r.prompt_token_ids) for r in requests}
@@ -52,12 +56,29 @@ class LlamaToolsRunner(Runner):
         if len(prompts) != 1 or len(outputs) != 1:
             raise ValueError("llama-batched-bench needs one prompt length and one output length (use --batch-sizes)")
         (pp,), (tg,), n = prompts, outputs, len(requests)
+        row = self._batched(pp, tg, n)
+        return RunResult(self.name, n, n * pp, n * tg, row["t"], row["t_tg"],
+                         {"llama_batched_bench": row, "repack": not self.no_repack}, decode_tokens=n * tg)
+
+    def _batched(self, pp: int, tg: int, n: int) -> dict[str, Any]:
         ctx = max(2048, n * (pp + tg) + 16)
-        row = self._jsonl([self.batched, "-m", self.model, "-c", str(ctx), "-b", "2048", "-ub", "512",
-                           "-npp", str(pp), "-ntg", str(tg), "-npl", str(n), "-t", str(self.threads),
-                           "--output-format", "jsonl"])[-1]
-        return RunResult(self.name, n, n * pp, n * tg, row["t"], row["t_tg"], {"llama_batched_bench": row},
-                         decode_tokens=n * tg)
+        command = [self.batched, "-m", self.model, "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(pp),
+                   "-ntg", str(tg), "-npl", str(n), "-t", str(self.threads), "--output-format", "jsonl"]
+        try:
+            return self._jsonl(command + (["-nr"] if self.no_repack else []))[-1]
+        except ToolCrashed as crash:
+            if self.no_repack:
+                raise
+            # llama.cpp repacks weights for the CPU's extra kernels (AMX where the CPU has it); the build vendored
+            # in llama-cpp-python 0.3.36 dies in llama-batched-bench on a repacked model on an AMX Xeon (SIGSEGV):
+            # run it as users could, without repacking, and say so in the mode
+            self.no_repack = f"llama-batched-bench without weight repacking (-nr): with it, it died ({crash})"
+            return self._jsonl(command + ["-nr"])[-1]
+
+    @property
+    def mode(self) -> str:
+        base = "llama-batched-bench (all sequences at once) and llama-bench"
+        return f"{base}; {self.no_repack}" if self.no_repack else base
 
     def prompt_and_generation(self, prompt_len: int, gen_len: int, repetitions: int = 3) -> dict[str, Any]:
         """llama-bench's pp (one prompt of prompt_len tokens) and tg (gen_len tokens at batch 1), tokens/s."""
@@ -74,6 +95,8 @@ class LlamaToolsRunner(Runner):
 
     def _jsonl(self, command: list[str]) -> list[dict[str, Any]]:
         out = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+        if out.returncode < 0:
+            raise ToolCrashed(f"{os.path.basename(command[0])}: {signal.Signals(-out.returncode).name}")
         if out.returncode != 0:
             raise RuntimeError(f"{os.path.basename(command[0])} failed: {out.stderr.strip().splitlines()[-1:]}")
         return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
