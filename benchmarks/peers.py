@@ -82,16 +82,22 @@ class LlamaToolsRunner(Runner):
 
     def prompt_and_generation(self, prompt_len: int, gen_len: int, repetitions: int = 3) -> dict[str, Any]:
         """llama-bench's pp (one prompt of prompt_len tokens) and tg (gen_len tokens at batch 1), tokens/s."""
-        out = subprocess.run([self.bench, "-m", self.model, "-t", str(self.threads), "-p", str(prompt_len),
-                              "-n", str(gen_len), "-r", str(repetitions), "-o", "json"],
-                             capture_output=True, text=True, timeout=1800)
+        command = [self.bench, "-m", self.model, "-t", str(self.threads), "-p", str(prompt_len), "-n", str(gen_len),
+                   "-r", str(repetitions), "-o", "json"]
+        out = subprocess.run(command + (["--repack", "0"] if self.no_repack else []), capture_output=True, text=True,
+                             timeout=1800)
+        if out.returncode < 0 and not self.no_repack:  # as llama-batched-bench above: again without repacking
+            self.no_repack = (f"llama.cpp without weight repacking (-nr, --repack 0): with it, llama-bench died "
+                              f"({signal.Signals(-out.returncode).name})")
+            out = subprocess.run(command + ["--repack", "0"], capture_output=True, text=True, timeout=1800)
         if out.returncode != 0:
             raise RuntimeError(f"llama-bench failed: {out.stderr.strip().splitlines()[-1:]}")
         rows = json.loads(out.stdout)
         pp = next(r for r in rows if r["n_prompt"] and not r["n_gen"])
         tg = next(r for r in rows if r["n_gen"] and not r["n_prompt"])
         return {"pp_tok_s": pp["avg_ts"], "pp_stddev": pp["stddev_ts"], "tg_tok_s": tg["avg_ts"],
-                "tg_stddev": tg["stddev_ts"], "model_bytes": pp["model_size"], "build": pp["build_commit"]}
+                "tg_stddev": tg["stddev_ts"], "model_bytes": pp["model_size"], "build": pp["build_commit"],
+                "repack": not self.no_repack}
 
     def _jsonl(self, command: list[str]) -> list[dict[str, Any]]:
         out = subprocess.run(command, capture_output=True, text=True, timeout=3600)

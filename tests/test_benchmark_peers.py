@@ -55,3 +55,15 @@ def test_a_tool_that_works_keeps_repacking_and_an_error_is_not_retried(peers, tm
     with pytest.raises(RuntimeError, match="bad model") as error:
         failing.warmup(_requests(1))
     assert not isinstance(error.value, peers.ToolCrashed) and failing.no_repack == ""
+
+
+def test_llama_bench_that_dies_reruns_without_repacking(peers, tmp_path):
+    rows = [{"n_prompt": 64, "n_gen": 0, "avg_ts": 300.0, "stddev_ts": 1.0, "model_size": 9, "build_commit": "x"},
+            {"n_prompt": 0, "n_gen": 8, "avg_ts": 90.0, "stddev_ts": 1.0, "model_size": 9, "build_commit": "x"}]
+    tools = _tools(tmp_path, "exit 1")
+    bench = tools / "llama-bench"  # dies unless called with --repack 0
+    bench.write_text(f"""#!/bin/sh\ncase " $* " in *" --repack 0 "*) echo '{json.dumps(rows)}' ;; *) kill -SEGV $$ ;; esac\n""")
+    runner = peers.LlamaToolsRunner(str(tools), "m.gguf", 2)
+    got = runner.prompt_and_generation(64, 8)
+    assert (got["pp_tok_s"], got["tg_tok_s"], got["repack"]) == (300.0, 90.0, False)
+    assert "llama-bench died (SIGSEGV)" in runner.mode
