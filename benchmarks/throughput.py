@@ -191,6 +191,8 @@ def run_engines(args: argparse.Namespace, model_path: str, token_ids: list[int],
                     if args.batch_sizes:
                         extras.setdefault(engine, []).append(
                             measure_extras(runners[engine], args, model_path, token_ids, r))
+            for engine, runner in runners.items():  # a runner may have changed how it runs (peers.py's llama.cpp)
+                engines[engine]["mode"] = runner.mode
         finally:
             for runner in runners.values():
                 runner.close()
