@@ -45,7 +45,7 @@ class LlamaToolsRunner(Runner):
         if not model_path.endswith(".gguf"):
             raise EngineUnavailable(f"llama.cpp needs a .gguf model, got {model_path!r}")
         self.model, self.threads = model_path, threads
-        self.no_repack = ""  # why llama-batched-bench runs with -nr, once a repacked run crashed
+        self.no_repack = ""  # why the tools run without weight repacking, once a repacked run crashed (_tool)
 
     def warmup(self, requests: Sequence[BenchRequest]) -> None:
         self._batched(8, 2, 1)  # each tool run warms itself up; this one finds out whether repacking crashes
@@ -62,18 +62,10 @@ class LlamaToolsRunner(Runner):
 
     def _batched(self, pp: int, tg: int, n: int) -> dict[str, Any]:
         ctx = max(2048, n * (pp + tg) + 16)
-        command = [self.batched, "-m", self.model, "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(pp),
-                   "-ntg", str(tg), "-npl", str(n), "-t", str(self.threads), "--output-format", "jsonl"]
-        try:
-            return self._jsonl(command + (["-nr"] if self.no_repack else []))[-1]
-        except ToolCrashed as crash:
-            if self.no_repack:
-                raise
-            # llama.cpp repacks weights for the CPU's extra kernels (AMX where the CPU has it); the build vendored
-            # in llama-cpp-python 0.3.36 dies in llama-batched-bench on a repacked model on an AMX Xeon (SIGSEGV):
-            # run it as users could, without repacking, and say so in the mode
-            self.no_repack = f"llama-batched-bench without weight repacking (-nr): with it, it died ({crash})"
-            return self._jsonl(command + ["-nr"])[-1]
+        out = self._tool([self.batched, "-m", self.model, "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(pp),
+                          "-ntg", str(tg), "-npl", str(n), "-t", str(self.threads), "--output-format", "jsonl"],
+                         ["-nr"])
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")][-1]
 
     @property
     def mode(self) -> str:
@@ -82,30 +74,34 @@ class LlamaToolsRunner(Runner):
 
     def prompt_and_generation(self, prompt_len: int, gen_len: int, repetitions: int = 3) -> dict[str, Any]:
         """llama-bench's pp (one prompt of prompt_len tokens) and tg (gen_len tokens at batch 1), tokens/s."""
-        command = [self.bench, "-m", self.model, "-t", str(self.threads), "-p", str(prompt_len), "-n", str(gen_len),
-                   "-r", str(repetitions), "-o", "json"]
-        out = subprocess.run(command + (["--repack", "0"] if self.no_repack else []), capture_output=True, text=True,
-                             timeout=1800)
-        if out.returncode < 0 and not self.no_repack:  # as llama-batched-bench above: again without repacking
-            self.no_repack = (f"llama.cpp without weight repacking (-nr, --repack 0): with it, llama-bench died "
-                              f"({signal.Signals(-out.returncode).name})")
-            out = subprocess.run(command + ["--repack", "0"], capture_output=True, text=True, timeout=1800)
-        if out.returncode != 0:
-            raise RuntimeError(f"llama-bench failed: {out.stderr.strip().splitlines()[-1:]}")
-        rows = json.loads(out.stdout)
+        rows = json.loads(self._tool([self.bench, "-m", self.model, "-t", str(self.threads), "-p", str(prompt_len),
+                                      "-n", str(gen_len), "-r", str(repetitions), "-o", "json"], ["--repack", "0"],
+                                     timeout=1800))
         pp = next(r for r in rows if r["n_prompt"] and not r["n_gen"])
         tg = next(r for r in rows if r["n_gen"] and not r["n_prompt"])
         return {"pp_tok_s": pp["avg_ts"], "pp_stddev": pp["stddev_ts"], "tg_tok_s": tg["avg_ts"],
                 "tg_stddev": tg["stddev_ts"], "model_bytes": pp["model_size"], "build": pp["build_commit"],
                 "repack": not self.no_repack}
 
-    def _jsonl(self, command: list[str]) -> list[dict[str, Any]]:
-        out = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    def _tool(self, command: list[str], without_repacking: list[str], timeout: int = 3600) -> str:
+        """A tool's stdout. llama.cpp repacks weights for the CPU's extra kernels (AMX where the CPU has it); the
+        build vendored in llama-cpp-python 0.3.36 dies by SIGSEGV on prompts on an AMX Xeon with repacked weights.
+        A tool killed by a signal runs again with `without_repacking`, as users could, and so does every tool after
+        it; the mode says so."""
+        out = self._exec(command + (without_repacking if self.no_repack else []), timeout)
+        if out.returncode < 0 and not self.no_repack:
+            self.no_repack = (f"llama.cpp without weight repacking ({' '.join(without_repacking)}): with it, "
+                              f"{os.path.basename(command[0])} died ({signal.Signals(-out.returncode).name})")
+            out = self._exec(command + without_repacking, timeout)
         if out.returncode < 0:
             raise ToolCrashed(f"{os.path.basename(command[0])}: {signal.Signals(-out.returncode).name}")
         if out.returncode != 0:
             raise RuntimeError(f"{os.path.basename(command[0])} failed: {out.stderr.strip().splitlines()[-1:]}")
-        return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        return out.stdout
+
+    @staticmethod
+    def _exec(command: list[str], timeout: int) -> subprocess.CompletedProcess:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
 class LlamaCppRunner(Runner):
