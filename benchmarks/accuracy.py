@@ -27,7 +27,9 @@ from common import default_output_path, machine_info, ordinary_token_ids, random
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "perplexity_text.md")
 MODES = {
     "float32": {"dtype": "float32"},
-    "gguf": {"quantization": "gguf"},  # with its default bfloat16 KV cache
+    "gguf": {"quantization": "gguf", "amx_prefill": False},  # with its default bfloat16 KV cache
+    # prompt rows in bfloat16 on AMX tiles (CPUs with AMX-BF16 only), decode rows on the blocks
+    "gguf-amx-prefill": {"quantization": "gguf", "amx_prefill": True},
     "gguf-kv-float32": {"quantization": "gguf", "kv_cache_dtype": "float32"},
     "gguf-kv-fp8": {"quantization": "gguf", "kv_cache_dtype": "fp8"},
     # 64-token prompt chunks: every later chunk of the perplexity text reads its context from the KV cache

@@ -266,6 +266,11 @@ class EngineConfig:
     # batches of 3+ rows cost more (ops/quant_linear.SplitWeight; DEEPINFER_SPLIT_HEAD=1). None (DEEPINFER_SPLIT_HEAD=
     # auto): on when one sequence runs at a time without speculative decoding and the head is over twice the L3
     split_head: bool | None = False
+    # prompt tokens' linear layers in bfloat16 on AMX tiles, from a bfloat16 copy of each quantized weight (16 bits
+    # per weight besides the blocks; ops/wide_linear.py); decode tokens stay on the blocks. None (DEEPINFER_AMX_PREFILL
+    # =auto): on for quantized compute where the CPU has AMX-BF16, unless batch_invariant (whose bits must not depend
+    # on the CPU); True where it cannot run is an error
+    amx_prefill: bool | None = None
 
     @classmethod
     def from_kwargs(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> EngineConfig:
@@ -308,13 +313,10 @@ class EngineConfig:
             top["keep_host_memory"] = _env_flag(env, "DEEPINFER_KEEP_HOST_MEMORY", True)
         if "huge_pages" not in top:
             top["huge_pages"] = _env_flag(env, "DEEPINFER_HUGE_PAGES", True)
-        if "split_head" not in top and env.get("DEEPINFER_SPLIT_HEAD", "").strip().lower() == "auto":
-            top["split_head"] = None
-        elif "split_head" not in top:
-            try:
-                top["split_head"] = _env_flag(env, "DEEPINFER_SPLIT_HEAD", False)
-            except ValueError:
-                raise ValueError(f"DEEPINFER_SPLIT_HEAD must be 0, 1 or auto, got {env['DEEPINFER_SPLIT_HEAD']!r}")
+        if "split_head" not in top:
+            top["split_head"] = _env_auto_flag(env, "DEEPINFER_SPLIT_HEAD", unset=False)
+        if "amx_prefill" not in top:
+            top["amx_prefill"] = _env_auto_flag(env, "DEEPINFER_AMX_PREFILL", unset=None)
         if "enable_mtp_varlen" not in top:
             top["enable_mtp_varlen"] = _env_flag(env, "DEEPINFER_ENABLE_MTP_VARLEN", True)
         return cls(
@@ -368,6 +370,19 @@ def _kv_store_config(options: dict[str, Any]) -> KVStoreConfig:
         values["ttl_classes"] = tuple({**dict(KVStoreConfig().ttl_classes), **ttl}.items())
     # fastest tier first: memory in front of disk in front of redis
     return KVStoreConfig(kinds=tuple(sorted(set(kinds), key=KINDS.index)), **values)
+
+
+def _env_auto_flag(env: Mapping[str, str], name: str, unset: bool | None) -> bool | None:
+    """A 0 / 1 / auto switch: None for auto, `unset` when the variable is unset or empty."""
+    raw = env.get(name, "").strip().lower()
+    if raw == "auto":
+        return None
+    if raw == "":
+        return unset
+    try:
+        return _env_flag(env, name, False)
+    except ValueError:
+        raise ValueError(f"{name} must be 0, 1 or auto, got {env[name]!r}") from None
 
 
 def _env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:

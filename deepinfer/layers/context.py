@@ -43,6 +43,9 @@ class ForwardContext:
     layer_attn: list[AttentionMetadata] | None = None
     # the compiled CPU attention kernels (ops/cpu_attention.py: paged_decode, paged_prefill); None: torch ops
     cpu_kernels: ModuleType | None = None
+    # runs of rows [start, end) at prompt positions: linear layers with a bfloat16 copy of their quantized weight
+    # compute them on AMX tiles (layers/quantized.py); empty: every row on the quantized blocks
+    prompt_runs: tuple[tuple[int, int], ...] = ()
 
     def attn_for(self, layer: int) -> AttentionMetadata:
         return self.attn if self.layer_attn is None else self.layer_attn[layer]
@@ -60,6 +63,11 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         yield ctx
     finally:
         _CURRENT.reset(token)
+
+
+def current_forward_context() -> ForwardContext | None:
+    """The context of the forward pass running now, or None outside one (a layer called on its own)."""
+    return _CURRENT.get()
 
 
 def get_forward_context() -> ForwardContext:

@@ -70,7 +70,11 @@ class DecodeStack:
             raise ValueError("a decode stack needs one attention scale and one activation for all layers")
         self.cache_index = [a.cache_index for a in attns]
         self.windows = [a.sliding_window or -1 for a in attns]
-        self.linears = [_linear_args(layer[name]) for layer in layers for name in ("qkv", "o", "gate_up", "down")]
+        linears = [layer[name] for layer in layers for name in ("qkv", "o", "gate_up", "down")]
+        self.linears = [_linear_args(linear) for linear in linears]
+        # bfloat16 copies for prompt rows on AMX tiles (ops/wide_linear.py), where every linear layer has one
+        wide = [getattr(linear.weight, "wide", None) for linear in linears]
+        self.wide = [w.packed for w in wide] if all(w is not None for w in wide) else []
         roles = [layer.get(name) for layer in layers for name in NORMS] + [final_norm]  # None: no such norm
         position: dict[int, int] = {}  # each norm module once, by identity, in order of first use
         modules = []
@@ -102,7 +106,7 @@ class DecodeStack:
             caches = [kv_caches[i] for i in self.cache_index]
             self._stack = self.ops.DecodeStack(self.linears, self.norms, self.eps, self.offsets, self.norm_index,
                                                self.windows, groups, self.shape, self.scale, self.act, self.cos,
-                                               self.sin, [k for k, _ in caches], [v for _, v in caches])
+                                               self.sin, [k for k, _ in caches], [v for _, v in caches], self.wide)
             self._caches, self._group_heads = kv_caches, heads
         return self._stack
 
@@ -110,6 +114,9 @@ class DecodeStack:
         """The final-normed hidden states of the step's rows, or None where the module path must run."""
         ctx = get_forward_context()
         if ctx.cpu_kernels is None or x.dim() != 2 or x.dtype != torch.float32:
+            return None
+        tile_from = self._tile_from(ctx.prompt_runs, x.shape[0])
+        if tile_from is None:
             return None
         k_cache, v_cache = ctx.kv_caches[self.cache_index[0]]
         if k_cache.dtype not in KERNEL_CACHES or v_cache.dtype != k_cache.dtype:
@@ -120,4 +127,13 @@ class DecodeStack:
         if any(r is None for r in rows):
             return None
         return stack.forward(x, positions, [md.slot_mapping for md in mds], [t for t, _ in rows],
-                             [n for _, n in rows], mds[0].block_size)
+                             [n for _, n in rows], mds[0].block_size, tile_from)
+
+    def _tile_from(self, runs: tuple[tuple[int, int], ...], rows: int) -> int | None:
+        """The first row the stack computes on AMX tiles (-1: none), or None where the prompt rows are not the
+        step's last rows (the module path sends each run its own way)."""
+        if not runs or not self.wide:
+            return -1
+        if len(runs) == 1 and runs[0][1] == rows:
+            return runs[0][0]
+        return None

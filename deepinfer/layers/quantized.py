@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.layers.context import current_forward_context
 from deepinfer.ops import quant_linear as ql
+from deepinfer.ops import wide_linear as wl
 
 QUANT_MODES = ("gguf", "int8", "int4")
 
@@ -36,6 +38,7 @@ class QuantWeight:
         self._shards: list[ql.Canonical | None] = [None] * num_shards
         self.packed: ql.PackedWeight | ql.SplitWeight | None = None
         self.dense: torch.Tensor | None = None  # float32, only when the kernels are unavailable
+        self.wide: wl.WideWeight | None = None  # a bfloat16 copy for prompt rows on AMX tiles (ops/wide_linear.py)
 
     def load_shard(self, canonical: ql.Canonical, shard: int) -> None:
         self._shards[shard] = canonical
@@ -44,9 +47,11 @@ class QuantWeight:
     def loaded(self) -> bool:
         return self.packed is not None or all(s is not None for s in self._shards)
 
-    def finalize(self, unify: Callable[[list[ql.Canonical]], ql.Canonical], split: int | None = None) -> None:
+    def finalize(self, unify: Callable[[list[ql.Canonical]], ql.Canonical], split: int | None = None,
+                 wide: bool = False) -> None:
         """split: an LM head's 8-bit symmetric weight of at least this many bytes goes in split planes
-        (ops/quant_linear.SplitWeight) where the kernels have them; None: it stays packed."""
+        (ops/quant_linear.SplitWeight) where the kernels have them; None: it stays packed. wide: also keep a
+        bfloat16 copy of the dequantized weight in AMX tiles, where the kernels can compute on them."""
         if self.packed is not None or self.dense is not None:
             return
         whole = unify(self._shards)
@@ -55,6 +60,8 @@ class QuantWeight:
             self.dense = torch.from_numpy(np.ascontiguousarray(whole.dequantize()))
             return
         self.packed = ql.pack(whole)
+        if wide and wl.available(self.kernels):
+            self.wide = wl.pack(torch.from_numpy(np.ascontiguousarray(whole.dequantize())))
         if (split is not None and self.packed.nbytes >= split and ql.splittable(self.packed)
                 and hasattr(self.kernels, "split_head_argmax")):
             self.packed = ql.split(self.packed)
@@ -62,7 +69,7 @@ class QuantWeight:
     @property
     def nbytes(self) -> int:
         if self.packed is not None:
-            return self.packed.nbytes
+            return self.packed.nbytes + (0 if self.wide is None else self.wide.nbytes)
         return 0 if self.dense is None else self.dense.numel() * 4
 
 
@@ -104,9 +111,40 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if w.packed is not None:
+        if w.packed is None:
+            return F.linear(x.float(), w.dense, self.bias)
+        runs = _prompt_runs(x) if w.wide is not None else ()
+        if not runs:
             return ql.linear(w.kernels, x.float(), w.packed, self.bias)
-        return F.linear(x.float(), w.dense, self.bias)
+        return _by_runs(w, x.float(), runs, self.bias)
+
+
+def _prompt_runs(x: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """The forward context's prompt rows, where x is the step's token rows (a layer fed other rows, or called
+    outside a forward pass, computes every row on the blocks)."""
+    ctx = current_forward_context()
+    if ctx is None or not ctx.prompt_runs or x.dim() != 2 or x.shape[0] != ctx.positions.shape[0]:
+        return ()
+    return ctx.prompt_runs
+
+
+def _by_runs(w: QuantWeight, x: torch.Tensor, runs: tuple[tuple[int, int], ...],
+             bias: torch.Tensor | None) -> torch.Tensor:
+    """Prompt rows on the bfloat16 tiles, the others on the quantized blocks: each row's kernel follows from its
+    own position, never from its neighbours, and both kernels compute a row alone as inside any batch."""
+    rows = x.shape[0]
+    if runs == ((0, rows),):
+        return wl.linear(w.kernels, x, w.wide, bias)
+    out = x.new_empty(rows, w.wide.n)
+    done = 0
+    for start, end in runs:
+        if start > done:
+            out[done:start] = ql.linear(w.kernels, x[done:start], w.packed, bias)
+        out[start:end] = wl.linear(w.kernels, x[start:end], w.wide, bias)
+        done = end
+    if done < rows:
+        out[done:] = ql.linear(w.kernels, x[done:], w.packed, bias)
+    return out
 
 
 def head_argmax(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:

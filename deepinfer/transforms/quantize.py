@@ -28,6 +28,8 @@ class QuantSummary:
     dense: tuple[str, ...]  # layers left dense, and why
     weight_bytes: int = 0  # packed bytes after finalize
     arena: ArenaReport | None = None  # where the packed tensors went (huge pages or not)
+    wide_layers: int = 0  # layers with a bfloat16 copy for prompt rows on AMX tiles (ops/wide_linear.py)
+    wide_bytes: int = 0  # of weight_bytes, the copies'
 
     def pages(self) -> str:
         """For the start-up log: how much of the packed weights the kernel put in 2 MiB pages."""
@@ -71,20 +73,25 @@ def prepare_quantized(model: nn.Module, mode: str, kernels: ModuleType | None) -
 
 
 def finalize_quantized(model: nn.Module, summary: QuantSummary, huge_pages: bool = True,
-                       split_head: int | None = None) -> QuantSummary:
+                       split_head: int | None = None, wide: bool = False) -> QuantSummary:
     """Packs every loaded quantized weight (a tied head shares its embedding's) and, with huge_pages, moves the
     packed tensors into 2 MiB pages (ops/huge_pages.py); returns the summary with bytes. split_head: an LM head
     without bias in 8-bit symmetric blocks (Q8_0, int8) of at least this many bytes goes in split planes
-    (ops/quant_linear.SplitWeight); None: none does."""
+    (ops/quant_linear.SplitWeight); None: none does. wide: every linear layer but the LM head also keeps a bfloat16
+    copy of its weight for prompt rows on AMX tiles, where the kernels have them (ops/wide_linear.py)."""
     heads = {id(m.weight) for m in model.modules() if isinstance(m, QuantizedLinear) and m.head and m.bias is None}
-    seen, total, tensors = set(), 0, []
+    seen, total, tensors, wide_layers, wide_bytes = set(), 0, [], 0, 0
     for module in model.modules():
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and id(module.weight) not in seen:
-            seen.add(id(module.weight))
-            module.weight.finalize(unify, split=None if split_head is None or id(module.weight) not in heads
-                                   else split_head)
-            total += module.weight.nbytes
-            if module.weight.packed is not None:
-                tensors += list(module.weight.packed.tensors)
+            w = module.weight
+            seen.add(id(w))
+            w.finalize(unify, split=None if split_head is None or id(w) not in heads else split_head,
+                       wide=wide and isinstance(module, QuantizedLinear) and not module.head)
+            total += w.nbytes
+            if w.packed is not None:
+                tensors += list(w.packed.tensors)
+            if w.wide is not None:
+                tensors.append(w.wide.packed)
+                wide_layers, wide_bytes = wide_layers + 1, wide_bytes + w.wide.nbytes
     arena = move_to_huge_pages(tensors) if huge_pages else None
-    return QuantSummary(summary.mode, summary.quantized, summary.dense, total, arena)
+    return QuantSummary(summary.mode, summary.quantized, summary.dense, total, arena, wide_layers, wide_bytes)

@@ -19,6 +19,7 @@ from deepinfer.models.loader import ModelFiles, iter_weights
 from deepinfer.ops import cpu_attention, cpu_ops
 from deepinfer.ops.cpu_ops import last_level_cache_bytes
 from deepinfer.ops.quant_linear import SplitWeight, splittable
+from deepinfer.ops.wide_linear import available as amx_available
 from deepinfer.spec.mtp_head import load_head
 from deepinfer.transforms.quantize import finalize_quantized, prepare_quantized
 from deepinfer.worker.host_memory import keep_freed_memory
@@ -81,6 +82,29 @@ def split_head_report(config: EngineConfig, model) -> str:
     return "no (auto: the head fits in twice the last-level cache)"
 
 
+def amx_prefill_choice(config: EngineConfig, ops, compute: Compute) -> tuple[bool, str]:
+    """Whether prompt rows compute in bfloat16 on AMX tiles (ops/wide_linear.py), and why, for the start-up log;
+    raises where it was asked for (DEEPINFER_AMX_PREFILL=1) and cannot run."""
+    why_not = None
+    if compute.quantization is None:
+        why_not = "the weights are dense, not quantized"
+    elif ops is None:
+        why_not = "no compiled CPU ops"
+    elif not amx_available(ops):
+        why_not = "this CPU has no AMX-BF16, or the OS did not grant AMX tile state"
+    if why_not is not None:
+        if config.amx_prefill:
+            raise ValueError(f"amx_prefill (DEEPINFER_AMX_PREFILL=1) cannot run here: {why_not}")
+        return False, f"no ({why_not})" if config.amx_prefill is None else "no (DEEPINFER_AMX_PREFILL=0)"
+    if config.amx_prefill is False:
+        return False, "no (DEEPINFER_AMX_PREFILL=0)"
+    if config.amx_prefill is None and config.batch_invariant:
+        return False, ("no (auto: off under batch invariance, whose bits must not depend on the CPU having AMX; "
+                       "DEEPINFER_AMX_PREFILL=1 forces it)")
+    how = "DEEPINFER_AMX_PREFILL=1" if config.amx_prefill else "auto: the CPU has AMX-BF16"
+    return True, f"yes ({how}): prompt rows in bfloat16 on AMX tiles, decode rows on the quantized blocks"
+
+
 def _int8_before_load(ops, huge_pages: bool):
     """The quantization transform as load_head's hook: swaps before the weights load, packs after."""
     def prepare(mtp):
@@ -106,11 +130,13 @@ class InProcessExecutor(Executor):
                     f"; decode attention prefetches into {ops.attention_prefetch()}")
         if compute.quantization is not None and ops is None:
             logger.info("quantized layers compute on dequantized float32 weights (no compiled ops)")
+        self.amx_prefill, amx_why = amx_prefill_choice(config, ops, compute)
+        logger.info("prompt rows on AMX tiles: %s", amx_why)
         weights = iter_weights(files, self.dtype, keep_quantized=compute.quantization == "gguf")
         self.model = build_model(files.hf_config, weights, compute.dtype, compute.device, max_model_len,
                                  batch_invariant=config.batch_invariant, quantization=compute.quantization,
                                  ops=ops, fused_glue=glue, huge_pages=config.huge_pages,
-                                 split_head=split_head_bytes(config, ops))
+                                 split_head=split_head_bytes(config, ops), amx_prefill=self.amx_prefill)
         if ops is not None and compute.quantization is not None:
             logger.info("LM head in split planes: %s", split_head_report(config, self.model))
         self.quantized = compute.quantization is not None
@@ -151,6 +177,7 @@ class InProcessExecutor(Executor):
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.kv_dtype, self.device,
                                   self.config.batch_invariant, layout, kernels, self.config.spec,
                                   self.config.enable_mtp_varlen)
+        self.runner.prompt_rows_wide = self.amx_prefill
         if kv_store is not None:
             self.runner.kv_transfer = KVBlockTransfer(kv_store.store, kv_store.saver, self.runner.slot_caches,
                                                       num_blocks, cc.block_size)

@@ -49,6 +49,21 @@ def decode_buckets(widths: list[int], min_rows: int = 8, keep: float = 0.6) -> l
     return out
 
 
+def prompt_runs(requests: list[RequestRows], prompt_lens: dict[str, int]) -> tuple[tuple[int, int], ...]:
+    """Runs of rows [start, end) at prompt positions (position < the request's prompt length), adjacent runs
+    merged: the rows a prompt-only kernel takes (layers/quantized.py), chosen by each row's own position."""
+    runs: list[tuple[int, int]] = []
+    for r in sorted(requests, key=lambda r: r.first_row):
+        n = min(r.num_known, max(0, prompt_lens[r.request_id] - r.start))
+        if n == 0:
+            continue
+        if runs and runs[-1][1] == r.first_row:
+            runs[-1] = (runs[-1][0], r.first_row + n)
+        else:
+            runs.append((r.first_row, r.first_row + n))
+    return tuple(runs)
+
+
 def build_inputs(plan: StepPlan, token_ids: dict[str, list[int]], tables: dict[str, list[list[int]]],
                  layout: KVLayout, block_size: int, device: torch.device) -> StepInputs:
     """token_ids / tables: per request, its known tokens and its block table per layer group."""

@@ -19,7 +19,7 @@ from deepinfer.sample.prob_order import ProbOrderOps
 from deepinfer.sample.sampler import Sampler, SamplingRow, has_penalties, plain_greedy_params
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.worker.decode_batch import DecodeBatch
-from deepinfer.worker.inputs import RequestRows, StepInputs, build_inputs
+from deepinfer.worker.inputs import RequestRows, StepInputs, build_inputs, prompt_runs
 from deepinfer.worker.mtp import mtp_drafts
 from deepinfer.sample.rejection import verify_greedy
 from deepinfer.worker.speculative import (DraftState, check_shadow, depth_costs, draft_rows, plan_draft_lengths,
@@ -158,6 +158,9 @@ class ModelRunner:
         self._requests: dict[str, _RequestState] = {}
         # the decode batch moved on from step to step (worker/decode_batch.py); None: inputs built anew every step
         self.decode_batch: DecodeBatch | None = DecodeBatch(len(self.layout.groups), block_size, self.device)
+        # the model's quantized layers have bfloat16 copies for prompt rows (ops/wide_linear.py): the forward
+        # context names the step's prompt rows
+        self.prompt_rows_wide = False
 
     def _apply_diff(self, plan: StepPlan) -> None:
         for request_id in plan.finished_ids:
@@ -211,6 +214,9 @@ class ModelRunner:
                              batch_invariant=self.batch_invariant,
                              layer_attn=[md[g] for g, _ in self._placement] if len(md) > 1 else None,
                              cpu_kernels=self.cpu_kernels)
+        if self.prompt_rows_wide:
+            ctx.prompt_runs = prompt_runs(inputs.requests, {r.request_id: self._requests[r.request_id].num_prompt_tokens
+                                                            for r in inputs.requests})
         clock = _lap(result, "prepare", clock)
         with forward_context(ctx):
             hidden = self.model(inputs.input_ids, inputs.positions)

@@ -159,3 +159,28 @@ def test_bad_rows_are_refused_not_computed():
     assert compiled.forward(x, ok["positions"], [ok["slots"]], [ok["tables"]], [ok["lens"]], 16).shape == (1, 576)
     with pytest.raises(RuntimeError, match="per group"):
         compiled.forward(x, ok["positions"], [], [], [], 16)
+
+
+def test_prompt_rows_on_amx_tiles_same_bits_with_and_without_the_stack(kernels):
+    """With bfloat16 copies for prompt rows (ops/wide_linear.py), a step whose prompt rows come last computes them on
+    the tiles inside the stack, the module path's bits; prompt rows elsewhere are handed back to the module path."""
+    from deepinfer.ops.wide_linear import available
+    if not available(kernels):
+        pytest.skip("no AMX-BF16 on this CPU (or the OS refused AMX tile state)")
+    llm = LLM(kv_cache_memory=64 << 20, enable_prefix_caching=False, max_num_batched_tokens=40, amx_prefill=True)
+    stack = stack_of(llm).decode_stack
+    assert len(stack.wide) == 4 * 30
+    tiles = []
+    original = DecodeStack._tile_from
+
+    def spy(self, runs, rows):
+        tiles.append(original(self, runs, rows))
+        return tiles[-1]
+
+    stack._tile_from = spy.__get__(stack)
+    prompts = [list(range(300, 307)), list(range(1000, 1090)), [42], list(range(2000, 2033))]
+    off = run(llm, prompts, False, stack)
+    assert run(llm, prompts, True, stack) == off
+    assert any(t is not None and t >= 0 for t in tiles) and -1 in tiles  # prompt steps on the tiles, decodes not
+    assert stack._tile_from((), 5) == -1 and stack._tile_from(((2, 5),), 5) == 2
+    assert stack._tile_from(((0, 2),), 5) is None and stack._tile_from(((0, 2), (3, 5)), 5) is None

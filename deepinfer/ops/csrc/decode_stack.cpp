@@ -26,10 +26,11 @@ DecodeStack::DecodeStack(std::vector<Linear> linears, std::vector<torch::Tensor>
                          std::vector<double> offsets, std::vector<int64_t> norm_index, std::vector<int64_t> windows,
                          std::vector<int64_t> groups, std::vector<int64_t> shape, double scale, int64_t act,
                          std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
-                         std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches)
+                         std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+                         std::vector<torch::Tensor> wide)
     : linears_(std::move(linears)), eps_(std::move(eps)), norm_index_(std::move(norm_index)),
       windows_(std::move(windows)), groups_(std::move(groups)), scale_(scale), act_(act), cos_(std::move(cos)),
-      sin_(std::move(sin)), k_caches_(std::move(k_caches)), v_caches_(std::move(v_caches)) {
+      sin_(std::move(sin)), k_caches_(std::move(k_caches)), v_caches_(std::move(v_caches)), wide_(std::move(wide)) {
   const size_t L = windows_.size();
   TORCH_CHECK(L > 0 && linears_.size() == 4 * L && norm_index_.size() == kNorms * L + 1 && groups_.size() == L &&
               cos_.size() == L && sin_.size() == L && k_caches_.size() == L && v_caches_.size() == L &&
@@ -75,7 +76,14 @@ DecodeStack::DecodeStack(std::vector<Linear> linears, std::vector<torch::Tensor>
     const auto& b = std::get<7>(w);
     TORCH_CHECK(!b.has_value() || !b->defined() || (b->scalar_type() == torch::kFloat && b->is_contiguous()),
                 "DecodeStack: biases must be contiguous float32");
+    if (!wide_.empty()) {
+      const auto& t = wide_[i];
+      TORCH_CHECK(t.dim() == 4 && t.element_size() == 2 && t.is_contiguous() && t.size(0) == views_[i].nb &&
+                  t.size(1) * 32 == k && t.size(2) == 16 && t.size(3) == 32,
+                  "DecodeStack: wide weight ", i, " is not [n_pad / 16, K / 32, 16, 32] bfloat16");
+    }
   }
+  TORCH_CHECK(wide_.empty() || wide_.size() == linears_.size(), "DecodeStack: none or one wide weight per linear");
 }
 
 const float* DecodeStack::norm(size_t layer, Norm which) const {
@@ -90,13 +98,16 @@ float DecodeStack::eps(size_t layer, Norm which) const {
 
 torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> slots,
                                    std::vector<torch::Tensor> tables, std::vector<torch::Tensor> lens,
-                                   int64_t block_size) const {
+                                   int64_t block_size, int64_t tile_from) const {
   const size_t L = windows_.size(), G = slots.size();
   const int64_t final_norm = norm_index_.back(), H = (int64_t)wo_[final_norm].size();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) == H, "DecodeStack: x must be float32 [T, ", H, "]");
   TORCH_CHECK(G > 0 && tables.size() == G && lens.size() == G && block_size > 0, "DecodeStack: one slot mapping, "
               "table and length tensor per group");
   x = x.contiguous();
+  const int64_t T0 = x.size(0), P = tile_from < 0 || tile_from > T0 ? T0 : tile_from;  // rows P.. on the tiles
+  TORCH_CHECK(P == T0 || (!wide_.empty() && amx_ready()), "DecodeStack: rows for AMX tiles without wide weights "
+              "or without AMX tile state");
   positions = positions.contiguous().to(torch::kLong);
   const int64_t T = x.size(0), qs = heads_ * head_dim_, kvs = kv_heads_ * head_dim_, D = head_dim_;
   TORCH_CHECK(positions.numel() == T, "DecodeStack: one position per row");
@@ -138,6 +149,8 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
   std::vector<float> xd(T * kmax / 32);
   std::vector<int32_t> xs(T * kmax / 16);
   std::vector<float> xt(T * 3 * kmax / 32);
+  const int64_t TM = T - P;  // rows on the tiles: bfloat16, zeros up to a multiple of 16
+  std::vector<uint16_t> xb(TM > 0 ? ((TM + 15) / 16 * 16) * kmax : 0, 0);
   const int threads = at::get_num_threads();
   std::vector<DecodeAttention> plans;
   int64_t scratch = 0;
@@ -161,12 +174,22 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
   float* xdp = xd.data();
   int32_t* xsp = xs.data();
   float* xtp = xt.data();
+  uint16_t* xbp = xb.data();
   auto quantize = [&](const float* row, int64_t t, int64_t K) {
-    quantize_row(row, K, xqp + t * K, xdp + t * (K / 32), xsp + t * (K / 16), xtp + t * (3 * K / 32));
+    if (t >= P) amx_round_row(row, K, xbp + (t - P) * K);
+    else quantize_row(row, K, xqp + t * K, xdp + t * (K / 32), xsp + t * (K / 16), xtp + t * (3 * K / 32));
   };
   auto blocks = [&](size_t i, float* out, int64_t ld) {
-    const auto [b0, b1] = share(views_[i].nb);
-    quant_blocks(views_[i], xqp, xdp, xsp, xtp, T, out, ld, b0, b1);
+    if (P > 0) {
+      const auto [b0, b1] = share(views_[i].nb);
+      quant_blocks(views_[i], xqp, xdp, xsp, xtp, P, out, ld, b0, b1);
+    }
+    if (TM > 0) {  // whole tiles of columns: ld is the padded width
+      const int64_t nb = views_[i].nb, K = views_[i].k;
+      const auto [i0, i1] = share(amx_num_items(TM, nb));
+      amx_items(xbp, reinterpret_cast<const uint16_t*>(wide_[i].data_ptr()), out + P * ld, ld, TM, nb * 16, K, nb,
+                nullptr, i0, i1);
+    }
   };
   // src (+ bias), normed by `post` if the layer has that norm, is added to res; h = next(res), rounded for the
   // next linear layer unless it is the output. An orphaned worksharing loop: its rows are shared by the threads of
@@ -190,6 +213,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
 #pragma omp parallel num_threads(threads)
   {
     float* my_scratch = scratch_base + scratch * omp_get_thread_num();
+    if (TM > 0) amx_configure();
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
       rms_norm_row(xp + t * H, nullptr, norm(0, kIn), H, eps(0, kIn), hp + t * H);
@@ -242,6 +266,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
       residual_norm(dnp, ld_dn, w + 3, l, kPostFfn, last ? wo_[final_norm].data() : norm(l + 1, kIn),
                     last ? (float)eps_[final_norm] : eps(l + 1, kIn), !last);
     }
+    if (TM > 0) amx_release();
   }
   return h;
 }
