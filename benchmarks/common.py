@@ -235,7 +235,8 @@ class DeepinferRunner(Runner):
         self.name = name
         self.options = {"num_threads": threads, **options}
         self.llm = LLM(model, **self.options)
-        self.mode = f"{self.llm.engine.compute.name}, continuous batching, all requests submitted at once"
+        amx = ", prompt rows on AMX tiles" if self.llm.engine.executor.amx_prefill else ""
+        self.mode = f"{self.llm.engine.compute.name}{amx}, continuous batching, all requests submitted at once"
 
     def weight_bytes(self) -> int:
         """Bytes the model's weights hold: dense parameters plus packed quantized blocks (a tied table once)."""

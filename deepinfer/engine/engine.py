@@ -75,7 +75,8 @@ class Engine:
             max_len = capacity
         self.max_model_len = max_len
         self.num_blocks = num_blocks
-        model_key = model_identity(files.path, files.hf_config, f"{self.compute.name}|kv:{self.compute.cache_dtype}",
+        amx = "|amx-prefill" if self.executor.amx_prefill else ""  # prompt KV from AMX tiles: other bits, other keys
+        model_key = model_identity(files.path, files.hf_config, f"{self.compute.name}|kv:{self.compute.cache_dtype}{amx}",
                                    config.batch_invariant)
         spec = config.spec
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, model_key, layout,

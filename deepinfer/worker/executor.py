@@ -37,6 +37,8 @@ class Executor(ABC):
     """Lifecycle: construct (loads the weights) -> kv_cache_specs() -> initialize_cache(...) once -> execute(plan)
     per step -> shutdown(). `execute` returns plain data; an executor never reads the scheduler's state."""
 
+    amx_prefill = False  # prompt rows compute in bfloat16 on AMX tiles (their KV differs from the blocks' in bits)
+
     @abstractmethod
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """What one token stores per attention layer: the engine sizes the block pool from it."""

@@ -83,7 +83,8 @@ void block(const uint16_t* a, const uint16_t* w, float* y, int64_t ldy, int64_t 
     }
   }
   const int64_t n0 = nb * 16, rows0 = std::min<int64_t>(16, M - m0), cols0 = std::min<int64_t>(16, N - n0);
-  const int64_t cols1 = TwoN ? std::min<int64_t>(16, N - n0 - 16) : 0, rows1 = TwoM ? std::min<int64_t>(16, M - m0 - 16) : 0;
+  const int64_t cols1 = TwoN ? std::min<int64_t>(16, N - n0 - 16) : 0;
+  const int64_t rows1 = TwoM ? std::min<int64_t>(16, M - m0 - 16) : 0;
   const float* bias0 = bias ? bias + n0 : nullptr;
   const float* bias1 = bias ? bias + n0 + 16 : nullptr;
   float* y0 = y + m0 * ldy + n0;
@@ -148,7 +149,8 @@ bool amx_bf16_available() { return tiles_granted(); }
 
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(tiles_granted(), "amx_linear: the kernel did not get AMX tile state from the OS (arch_prctl)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, K]");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+              "x must be contiguous float32 [M, K]");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 32 && packed.element_size() == 2 &&
                   packed.is_contiguous(), "packed must be [N_pad / 16, K / 32, 16, 32] bfloat16");
   const int64_t M = x.size(0), K = x.size(1), nb = packed.size(0);
