@@ -129,19 +129,30 @@ void amx_round_row(const float* x, int64_t K, uint16_t* a) {
   }
 }
 
-int64_t amx_num_items(int64_t M, int64_t nb) { return (nb + 1) / 2 * ((M + 31) / 32); }
+#ifndef DI_AMX_ROW_BLOCK
+#define DI_AMX_ROW_BLOCK 256
+#endif
+// Rows per item: an item is one column pair over a block of this many rows, so the block's activations stay in L2
+// while the weights stream past once per block (column pair by column pair, each reused for all the block's rows).
+constexpr int64_t kRowBlock = DI_AMX_ROW_BLOCK;
+
+int64_t amx_num_items(int64_t M, int64_t nb) { return (nb + 1) / 2 * ((M + kRowBlock - 1) / kRowBlock); }
 
 void amx_items(const uint16_t* a, const uint16_t* w, float* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                int64_t nb, const float* bias, int64_t begin, int64_t end) {
   alignas(64) float scratch[256];
-  const int64_t m_pad = (M + 15) / 16 * 16, m_items = (M + 31) / 32;
+  const int64_t m_pad = (M + 15) / 16 * 16, pairs = (nb + 1) / 2;
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t nbk = item / m_items * 2, m0 = item % m_items * 32;
-    const bool two_n = nbk + 1 < nb, two_m = m0 + 16 < m_pad;
-    if (two_m && two_n) block<true, true>(a, w, y, ldy, M, N, K, m0, nbk, bias, scratch);
-    else if (two_m) block<true, false>(a, w, y, ldy, M, N, K, m0, nbk, bias, scratch);
-    else if (two_n) block<false, true>(a, w, y, ldy, M, N, K, m0, nbk, bias, scratch);
-    else block<false, false>(a, w, y, ldy, M, N, K, m0, nbk, bias, scratch);
+    const int64_t nbk = item % pairs * 2, first = item / pairs * kRowBlock;
+    const int64_t last = std::min(first + kRowBlock, m_pad);
+    const bool two_n = nbk + 1 < nb;
+    for (int64_t m0 = first; m0 < last; m0 += 32) {
+      const bool two_m = m0 + 16 < m_pad;
+      if (two_m && two_n) block<true, true>(a, w, y, ldy, M, N, K, m0, nbk, bias, scratch);
+      else if (two_m) block<true, false>(a, w, y, ldy, M, N, K, m0, nbk, bias, scratch);
+      else if (two_n) block<false, true>(a, w, y, ldy, M, N, K, m0, nbk, bias, scratch);
+      else block<false, false>(a, w, y, ldy, M, N, K, m0, nbk, bias, scratch);
+    }
   }
 }
 
@@ -176,7 +187,6 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::
   });
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   float* yp = y.data_ptr<float>();
-  // items column-pair-major: a thread's consecutive items reuse one column pair's weights from its cache
   at::parallel_for(0, amx_num_items(M, nb), 1, [&](int64_t begin, int64_t end) {
     amx_configure();
     amx_items(ap, wp, yp, n, M, n, K, nb, b, begin, end);

@@ -39,8 +39,8 @@ void amx_configure();
 void amx_release();
 void amx_round_row(const float* x, int64_t K, uint16_t* a);  // x [K] -> bfloat16 bits, nearest even
 // items begin..end-1 of y = a W^T (+ bias): a [M, K] bfloat16 rows, zeros past M up to a multiple of 16; W packed
-// (ops/wide_linear.py) in nb blocks of 16 columns, N of them valid; y rows ldy apart. An item is up to 32 rows x
-// 32 columns, column pairs major; every output is the same tile instructions over K in order.
+// (ops/wide_linear.py) in nb blocks of 16 columns, N of them valid; y rows ldy apart. An item is a pair of column
+// blocks over a block of rows (amx_linear.cpp); every output is the same tile instructions over K in order.
 int64_t amx_num_items(int64_t M, int64_t nb);
 void amx_items(const uint16_t* a, const uint16_t* w, float* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                int64_t nb, const float* bias, int64_t begin, int64_t end);
