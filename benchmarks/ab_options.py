@@ -1,6 +1,6 @@
 """Two sets of engine options, A and B, side by side in one process: both engines generate the same requests in turn
 (A then B, then B then A, ...), so load and thermal drift hit both alike; medians of the output tokens/s and their
-ratio per batch size. Only for options that leave the engine computing on the calling thread (not
+ratio per batch size. Each round has new prompts, so neither engine finds them in its prefix cache. Only for options that leave the engine computing on the calling thread (not
 async_scheduling=true, whose compute thread would share this process's OpenMP pools).
 
     python benchmarks/ab_options.py --a kv_cache_dtype=float32 --b kv_cache_dtype=bfloat16
@@ -51,12 +51,15 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     rows = []
     for batch in sizes:
-        prompts = [r.prompt_token_ids for r in random_requests(batch, (args.prompt_len,) * 2,
-                                                               (args.output_len,) * 2, ids, batch)]
+        def fresh(seed: int) -> list[list[int]]:  # new prompts: no engine has them in its prefix cache yet
+            return [r.prompt_token_ids for r in random_requests(batch, (args.prompt_len,) * 2,
+                                                                (args.output_len,) * 2, ids, seed)]
+
         for llm in llms.values():  # warm-up at this batch's shapes
-            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+            llm.generate(fresh(batch), SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         runs: dict[str, list[float]] = {"A": [], "B": []}
         for rep in range(args.repeats):
+            prompts = fresh(1000 * batch + rep + 1)  # the same for A and B
             for name in ("AB" if rep % 2 == 0 else "BA"):
                 start = time.perf_counter()
                 llms[name].generate(prompts, params, use_tqdm=False)

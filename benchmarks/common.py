@@ -16,11 +16,12 @@ import os
 import platform
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -183,6 +184,17 @@ def _version(package: str) -> str | None:
         return version({"llama_cpp": "llama-cpp-python"}.get(package, package))
     except Exception:  # an editable or vendored install without metadata
         return "unknown"
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int = 9) -> float:
+    """The median wall time of `repeats` calls of fn, after one call not timed (warm-up)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def default_output_path(benchmark: str, suffix: str = ".json") -> str:

@@ -15,7 +15,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -24,6 +23,7 @@ from common import (  # noqa: E402
     DeepinferRunner,
     default_output_path,
     machine_info,
+    median_seconds,
     ordinary_token_ids,
     random_requests,
     workload_summary,
@@ -125,16 +125,6 @@ def _label(concurrency: int | None) -> str:
     return "" if concurrency is None else f"{concurrency}"
 
 
-def _time(fn: Callable[[], Any], repeats: int = 9) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def run_ops(args: argparse.Namespace) -> dict[str, Any]:
     """Median time of each invariant op against the default one, on SmolLM2-135M's shapes."""
     import torch
@@ -154,8 +144,8 @@ def run_ops(args: argparse.Namespace) -> dict[str, Any]:
         # interleaved pairs, so both sides see the same load
         b, i = [], []
         for _ in range(3):
-            b.append(_time(base, 3))
-            i.append(_time(inv, 3))
+            b.append(median_seconds(base, 3))
+            i.append(median_seconds(inv, 3))
         row = {"op": op, "size": size, "default_ms": 1e3 * statistics.median(b), "invariant_ms": 1e3 * statistics.median(i)}
         row["ratio"] = row["invariant_ms"] / row["default_ms"]
         rows.append(row)
