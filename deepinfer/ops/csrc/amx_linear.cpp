@@ -39,7 +39,6 @@ bool tiles_granted() {
   return granted;
 }
 
-
 // Where tile register C goes: straight into y when all 16 x 16 outputs are valid, else into a scratch tile.
 // (The tile intrinsics name their register in the instruction text: C must be a literal, hence a macro.)
 #define DI_STORE_TILE(C, y, ldy, rows, cols, scratch) \
