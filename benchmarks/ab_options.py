@@ -1,7 +1,8 @@
 """Two sets of engine options, A and B, side by side in one process: both engines generate the same requests in turn
 (A then B, then B then A, ...), so load and thermal drift hit both alike; medians of the output tokens/s and their
-ratio per batch size. Each round has new prompts, so neither engine finds them in its prefix cache. Only for options that leave the engine computing on the calling thread (not
-async_scheduling=true, whose compute thread would share this process's OpenMP pools).
+ratio per batch size. Each round has new prompts, so neither engine finds them in its prefix cache. Only for options
+that leave the engine computing on the calling thread (not async_scheduling=true, whose compute thread would share
+this process's OpenMP pools).
 
     python benchmarks/ab_options.py --a kv_cache_dtype=float32 --b kv_cache_dtype=bfloat16
 """

@@ -128,12 +128,9 @@ void amx_round_row(const float* x, int64_t K, uint16_t* a) {
   }
 }
 
-#ifndef DI_AMX_ROW_BLOCK
-#define DI_AMX_ROW_BLOCK 256
-#endif
 // Rows per item: an item is one column pair over a block of this many rows, so the block's activations stay in L2
 // while the weights stream past once per block (column pair by column pair, each reused for all the block's rows).
-constexpr int64_t kRowBlock = DI_AMX_ROW_BLOCK;
+constexpr int64_t kRowBlock = 256;
 
 int64_t amx_num_items(int64_t M, int64_t nb) { return (nb + 1) / 2 * ((M + kRowBlock - 1) / kRowBlock); }
 
@@ -154,8 +151,6 @@ void amx_items(const uint16_t* a, const uint16_t* w, float* y, int64_t ldy, int6
     }
   }
 }
-
-bool amx_bf16_available() { return tiles_granted(); }
 
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(tiles_granted(), "amx_linear: the kernel did not get AMX tile state from the OS (arch_prctl)");
@@ -203,7 +198,6 @@ void amx_round_row(const float*, int64_t, uint16_t*) {}
 int64_t amx_num_items(int64_t, int64_t) { return 0; }
 void amx_items(const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*,
                int64_t, int64_t) {}
-bool amx_bf16_available() { return false; }
 
 torch::Tensor amx_linear(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>) {
   throw std::runtime_error("amx_linear: this build has no AMX-BF16 (the CPU it was built for lacks it)");

@@ -51,7 +51,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", &amx_linear, "x @ W^T (+ b) on AMX tiles: x rounded to bfloat16, W bfloat16 in tiles, "
         "float32 sums in k order (a row's bits do not depend on the batch)", py::arg("x"), py::arg("packed"),
         py::arg("n"), py::arg("bias") = py::none(), nogil);
-  m.def("amx_bf16_available", &amx_bf16_available,
+  m.def("amx_bf16_available", &amx_ready,
         "whether this build has the AMX-BF16 kernel and the OS granted this process AMX tile state");
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())  // one per ISA build in a process
       .def(py::init<std::vector<DecodeStack::Linear>, std::vector<torch::Tensor>, std::vector<double>,

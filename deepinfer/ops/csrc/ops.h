@@ -38,7 +38,6 @@ torch::Tensor quant_linear_argmax(torch::Tensor x, torch::Tensor quants, torch::
                                   int64_t bits, int64_t group, double c, int64_t n);
 // amx_linear.cpp: many rows on AMX tiles against a bfloat16 copy of a weight (throws where the build has no AMX)
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
-bool amx_bf16_available();
 // split_head.cpp: an 8-bit symmetric LM head stored as a 5-bit high plane and 3 low bit planes
 torch::Tensor split_head_linear(torch::Tensor x, torch::Tensor high, torch::Tensor low, torch::Tensor scales, int64_t n);
 torch::Tensor split_head_rows(torch::Tensor ids, torch::Tensor high, torch::Tensor low, torch::Tensor scales, int64_t k);
