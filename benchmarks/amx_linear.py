@@ -1,6 +1,7 @@
 """Prompt-row linear kernels side by side on one model's linear shapes: our int4 kernel on the quantized blocks,
 oneDNN's bfloat16 matmul on pre-packed weights (what torch reaches AMX with; its bfloat16 output widened back to
-float32, as the model needs) and our AMX tile kernel (ops/wide_linear.py). Medians of --repeats calls per shape and
+float32, as the model needs) and our AMX tile kernel (ops/wide_linear.py: the same int4 blocks dequantized to
+bfloat16 tiles as it goes). Medians of --repeats calls per shape and
 row count, the same inputs for all three; then, per kernel, whether a row's outputs keep their bits when the same
 row is computed inside batches of other sizes (the property chunked prefill and batching need).
 
@@ -49,8 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     layers = {}
     for name, (n, k) in SHAPES[args.shapes].items():
         w = torch.randn(n, k) * 0.05
-        layers[name] = (ql.pack(ql.quantize_int4(w.numpy())), torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1),
-                        wl.pack(w), k)
+        q = ql.pack(ql.quantize_int4(w.numpy()))
+        layers[name] = (q, torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1), q, k)
     kinds = {
         "int4 blocks": lambda x, q, d, t: ql.linear(kernels, x, q),
         "oneDNN bfloat16": lambda x, q, d, t: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), d, None, "none", [],

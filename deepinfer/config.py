@@ -266,8 +266,8 @@ class EngineConfig:
     # batches of 3+ rows cost more (ops/quant_linear.SplitWeight; DEEPINFER_SPLIT_HEAD=1). None (DEEPINFER_SPLIT_HEAD=
     # auto): on when one sequence runs at a time without speculative decoding and the head is over twice the L3
     split_head: bool | None = False
-    # prompt tokens' linear layers in bfloat16 on AMX tiles, from a bfloat16 copy of each quantized weight (16 bits
-    # per weight besides the blocks; ops/wide_linear.py); decode tokens stay on the blocks. None (DEEPINFER_AMX_PREFILL
+    # prompt tokens' linear layers in bfloat16 on AMX tiles, each quantized weight dequantized to bfloat16 tiles as
+    # the kernel goes (no copy; ops/wide_linear.py); decode tokens stay on the blocks. None (DEEPINFER_AMX_PREFILL
     # =auto): on for quantized compute where the CPU has AMX-BF16, unless batch_invariant (whose bits must not depend
     # on the CPU); True where it cannot run is an error
     amx_prefill: bool | None = None

@@ -43,8 +43,8 @@ class ForwardContext:
     layer_attn: list[AttentionMetadata] | None = None
     # the compiled CPU attention kernels (ops/cpu_attention.py: paged_decode, paged_prefill); None: torch ops
     cpu_kernels: ModuleType | None = None
-    # runs of rows [start, end) at prompt positions: linear layers with a bfloat16 copy of their quantized weight
-    # compute them on AMX tiles (layers/quantized.py); empty: every row on the quantized blocks
+    # runs of rows [start, end) at prompt positions: linear layers whose prompt rows go to AMX tiles compute them
+    # there (layers/quantized.py, ops/wide_linear.py); empty: every row on the quantized blocks
     prompt_runs: tuple[tuple[int, int], ...] = ()
 
     def attn_for(self, layer: int) -> AttentionMetadata:

@@ -72,9 +72,8 @@ class DecodeStack:
         self.windows = [a.sliding_window or -1 for a in attns]
         linears = [layer[name] for layer in layers for name in ("qkv", "o", "gate_up", "down")]
         self.linears = [_linear_args(linear) for linear in linears]
-        # bfloat16 copies for prompt rows on AMX tiles (ops/wide_linear.py), where every linear layer has one
-        wide = [getattr(linear.weight, "wide", None) for linear in linears]
-        self.wide = [w.packed for w in wide] if all(w is not None for w in wide) else []
+        # prompt rows on AMX tiles (ops/wide_linear.py), where every linear layer computes them there
+        self.tiles = all(getattr(linear.weight, "tiles", False) for linear in linears)
         roles = [layer.get(name) for layer in layers for name in NORMS] + [final_norm]  # None: no such norm
         position: dict[int, int] = {}  # each norm module once, by identity, in order of first use
         modules = []
@@ -106,7 +105,7 @@ class DecodeStack:
             caches = [kv_caches[i] for i in self.cache_index]
             self._stack = self.ops.DecodeStack(self.linears, self.norms, self.eps, self.offsets, self.norm_index,
                                                self.windows, groups, self.shape, self.scale, self.act, self.cos,
-                                               self.sin, [k for k, _ in caches], [v for _, v in caches], self.wide)
+                                               self.sin, [k for k, _ in caches], [v for _, v in caches], self.tiles)
             self._caches, self._group_heads = kv_caches, heads
         return self._stack
 
@@ -132,7 +131,7 @@ class DecodeStack:
     def _tile_from(self, runs: tuple[tuple[int, int], ...], rows: int) -> int | None:
         """The first row the stack computes on AMX tiles (-1: none), or None where the prompt rows are not the
         step's last rows (the module path sends each run its own way)."""
-        if not runs or not self.wide:
+        if not runs or not self.tiles:
             return -1
         if len(runs) == 1 and runs[0][1] == rows:
             return runs[0][0]

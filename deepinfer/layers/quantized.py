@@ -38,7 +38,7 @@ class QuantWeight:
         self._shards: list[ql.Canonical | None] = [None] * num_shards
         self.packed: ql.PackedWeight | ql.SplitWeight | None = None
         self.dense: torch.Tensor | None = None  # float32, only when the kernels are unavailable
-        self.wide: wl.WideWeight | None = None  # a bfloat16 copy for prompt rows on AMX tiles (ops/wide_linear.py)
+        self.tiles = False  # prompt rows in bfloat16 on AMX tiles (ops/wide_linear.py)
 
     def load_shard(self, canonical: ql.Canonical, shard: int) -> None:
         self._shards[shard] = canonical
@@ -50,8 +50,8 @@ class QuantWeight:
     def finalize(self, unify: Callable[[list[ql.Canonical]], ql.Canonical], split: int | None = None,
                  wide: bool = False) -> None:
         """split: an LM head's 8-bit symmetric weight of at least this many bytes goes in split planes
-        (ops/quant_linear.SplitWeight) where the kernels have them; None: it stays packed. wide: also keep a
-        bfloat16 copy of the dequantized weight in AMX tiles, where the kernels can compute on them."""
+        (ops/quant_linear.SplitWeight) where the kernels have them; None: it stays packed. wide: prompt rows go to
+        AMX tiles (ops/wide_linear.py), where the kernels can compute on them."""
         if self.packed is not None or self.dense is not None:
             return
         whole = unify(self._shards)
@@ -60,16 +60,15 @@ class QuantWeight:
             self.dense = torch.from_numpy(np.ascontiguousarray(whole.dequantize()))
             return
         self.packed = ql.pack(whole)
-        if wide and wl.available(self.kernels):
-            self.wide = wl.pack(torch.from_numpy(np.ascontiguousarray(whole.dequantize())))
         if (split is not None and self.packed.nbytes >= split and ql.splittable(self.packed)
                 and hasattr(self.kernels, "split_head_argmax")):
             self.packed = ql.split(self.packed)
+        self.tiles = wide and wl.available(self.kernels) and isinstance(self.packed, ql.PackedWeight)
 
     @property
     def nbytes(self) -> int:
         if self.packed is not None:
-            return self.packed.nbytes + (0 if self.wide is None else self.wide.nbytes)
+            return self.packed.nbytes
         return 0 if self.dense is None else self.dense.numel() * 4
 
 
@@ -113,7 +112,7 @@ class QuantizedLinear(nn.Module):
         w = self.weight
         if w.packed is None:
             return F.linear(x.float(), w.dense, self.bias)
-        runs = _prompt_runs(x) if w.wide is not None else ()
+        runs = _prompt_runs(x) if w.tiles else ()
         if not runs:
             return ql.linear(w.kernels, x.float(), w.packed, self.bias)
         return _by_runs(w, x.float(), runs, self.bias)
@@ -134,13 +133,13 @@ def _by_runs(w: QuantWeight, x: torch.Tensor, runs: tuple[tuple[int, int], ...],
     own position, never from its neighbours, and both kernels compute a row alone as inside any batch."""
     rows = x.shape[0]
     if runs == ((0, rows),):
-        return wl.linear(w.kernels, x, w.wide, bias)
-    out = x.new_empty(rows, w.wide.n)
+        return wl.linear(w.kernels, x, w.packed, bias)
+    out = x.new_empty(rows, w.packed.n)
     done = 0
     for start, end in runs:
         if start > done:
             out[done:start] = ql.linear(w.kernels, x[done:start], w.packed, bias)
-        out[start:end] = wl.linear(w.kernels, x[start:end], w.wide, bias)
+        out[start:end] = wl.linear(w.kernels, x[start:end], w.packed, bias)
         done = end
     if done < rows:
         out[done:] = ql.linear(w.kernels, x[done:], w.packed, bias)

@@ -28,8 +28,7 @@ class QuantSummary:
     dense: tuple[str, ...]  # layers left dense, and why
     weight_bytes: int = 0  # packed bytes after finalize
     arena: ArenaReport | None = None  # where the packed tensors went (huge pages or not)
-    wide_layers: int = 0  # layers with a bfloat16 copy for prompt rows on AMX tiles (ops/wide_linear.py)
-    wide_bytes: int = 0  # of weight_bytes, the copies'
+    tile_layers: int = 0  # layers whose prompt rows go to AMX tiles (ops/wide_linear.py)
 
     def pages(self) -> str:
         """For the start-up log: how much of the packed weights the kernel put in 2 MiB pages."""
@@ -77,10 +76,10 @@ def finalize_quantized(model: nn.Module, summary: QuantSummary, huge_pages: bool
     """Packs every loaded quantized weight (a tied head shares its embedding's) and, with huge_pages, moves the
     packed tensors into 2 MiB pages (ops/huge_pages.py); returns the summary with bytes. split_head: an LM head
     without bias in 8-bit symmetric blocks (Q8_0, int8) of at least this many bytes goes in split planes
-    (ops/quant_linear.SplitWeight); None: none does. wide: every linear layer but the LM head also keeps a bfloat16
-    copy of its weight for prompt rows on AMX tiles, where the kernels have them (ops/wide_linear.py)."""
+    (ops/quant_linear.SplitWeight); None: none does. wide: every linear layer but the LM head computes prompt rows
+    on AMX tiles, where the kernels have them (ops/wide_linear.py: no copy of the weight)."""
     heads = {id(m.weight) for m in model.modules() if isinstance(m, QuantizedLinear) and m.head and m.bias is None}
-    seen, total, tensors, wide_layers, wide_bytes = set(), 0, [], 0, 0
+    seen, total, tensors, tile_layers = set(), 0, [], 0
     for module in model.modules():
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and id(module.weight) not in seen:
             w = module.weight
@@ -90,8 +89,6 @@ def finalize_quantized(model: nn.Module, summary: QuantSummary, huge_pages: bool
             total += w.nbytes
             if w.packed is not None:
                 tensors += list(w.packed.tensors)
-            if w.wide is not None:
-                tensors.append(w.wide.packed)
-                wide_layers, wide_bytes = wide_layers + 1, wide_bytes + w.wide.nbytes
+            tile_layers += int(w.tiles)
     arena = move_to_huge_pages(tensors) if huge_pages else None
-    return QuantSummary(summary.mode, summary.quantized, summary.dense, total, arena, wide_layers, wide_bytes)
+    return QuantSummary(summary.mode, summary.quantized, summary.dense, total, arena, tile_layers)

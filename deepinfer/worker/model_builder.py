@@ -60,7 +60,7 @@ def build_model(hf_config: dict, weights, dtype: str, device: str, max_positions
     activations, rotary and cache writes through the compiled ops too (transforms/fused_ops.py). huge_pages: packed
     weights in 2 MiB pages (ops/huge_pages.py). split_head: an 8-bit LM head of at least this many bytes in split
     planes (greedy steps of few rows read 5/8 of it; ops/quant_linear.SplitWeight); None: not split. amx_prefill:
-    quantized linear layers (not the head) also keep a bfloat16 copy for prompt rows on AMX tiles."""
+    quantized linear layers (not the head) compute prompt rows in bfloat16 on AMX tiles."""
     klass = model_class(architecture_of(hf_config))
     config = hf_config_object(hf_config)
     torch_dtype = TORCH_DTYPES[dtype]
@@ -72,8 +72,7 @@ def build_model(hf_config: dict, weights, dtype: str, device: str, max_positions
         summary = finalize_quantized(model, summary, huge_pages, split_head, wide=amx_prefill)
         logger.info("quantization %s: %d layers on packed blocks (%.1f MiB; %s)%s%s", summary.mode, summary.quantized,
                     summary.weight_bytes / 2**20, summary.pages(),
-                    f"; bfloat16 copies for prompt rows: {summary.wide_layers} layers, "
-                    f"{summary.wide_bytes / 2**20:.1f} MiB of it" if summary.wide_layers else "",
+                    f"; prompt rows on AMX tiles in {summary.tile_layers} layers" if summary.tile_layers else "",
                     f"; dense: {', '.join(summary.dense)}" if summary.dense else "")
     keep = getattr(model, "fp32_param_suffixes", ())
     for name, param in model.named_parameters():  # buffers (RoPE tables) stay float32

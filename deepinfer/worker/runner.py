@@ -158,8 +158,8 @@ class ModelRunner:
         self._requests: dict[str, _RequestState] = {}
         # the decode batch moved on from step to step (worker/decode_batch.py); None: inputs built anew every step
         self.decode_batch: DecodeBatch | None = DecodeBatch(len(self.layout.groups), block_size, self.device)
-        # the model's quantized layers have bfloat16 copies for prompt rows (ops/wide_linear.py): the forward
-        # context names the step's prompt rows
+        # the model's quantized layers compute prompt rows on AMX tiles (ops/wide_linear.py): the forward context
+        # names the step's prompt rows
         self.prompt_rows_wide = False
 
     def _apply_diff(self, plan: StepPlan) -> None:

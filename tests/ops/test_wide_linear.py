@@ -1,9 +1,10 @@
 """Prompt rows on AMX tiles (ops/wide_linear.py, csrc/amx_linear.cpp) against a float64 reference on the same
-bfloat16-rounded operands; a row's bits alone and inside any batch; the layer that routes a step's prompt rows to
-them and its other rows to the quantized blocks.
+bfloat16-rounded operands; the weight's bfloat16 values, dequantized from its blocks in the kernel, against the
+format's own dequantization for every packed format; a row's bits alone and inside any batch; the layer that routes
+a step's prompt rows to them and its other rows to the quantized blocks.
 
-The kernel needs a CPU with AMX-BF16 (Intel Sapphire Rapids and later) and runs only there; the packing, the
-routing of rows and the refusals run everywhere.
+The kernel needs a CPU with AMX-BF16 (Intel Sapphire Rapids and later) and runs only there; the routing of rows and
+the refusals run everywhere.
 """
 import numpy as np
 import pytest
@@ -32,22 +33,39 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tu
     return out, xb.abs() @ wb.abs().T + (0 if bias is None else bias.double().abs())
 
 
-def test_packing_keeps_every_bfloat16_value():
-    w = torch.randn(37, 96)
-    packed = wl.pack(w)
-    assert packed.packed.shape == (3, 3, 16, 32) and packed.packed.dtype == torch.bfloat16
-    assert torch.equal(wl.dequantize(packed), w.bfloat16().float())
-    assert torch.count_nonzero(packed.packed.view(3, 3, 16, 16, 2)[2, :, :, 5:]) == 0  # padding rows are zeros
-    with pytest.raises(ValueError, match="multiple of 32"):
-        wl.pack(torch.randn(16, 40))
+def int4(n: int, k: int, seed: int = 0) -> ql.Canonical:
+    return ql.quantize_int4(np.random.default_rng(seed).normal(0, 0.05, (n, k)).astype(np.float32))
+
+
+# every packed format (ops/quant_linear.QuantFormat): GGUF's legacy types, Q4_K / Q5_K (float32 scales, stored
+# offsets), Q6_K (8 bits in groups of 16), and symmetric 4- and 5-bit with their c
+FORMATS = [ql.QuantFormat(4, 32, "float16", True), ql.QuantFormat(4, 32, "float16", False, -8),
+           ql.QuantFormat(5, 32, "float16", False, -16), ql.QuantFormat(5, 32, "float32", True),
+           ql.QuantFormat(8, 32, "float16", False, -128), ql.QuantFormat(8, 16, "float32", False, -32),
+           ql.QuantFormat(4, 32, "float32", True)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_the_tiles_weight_is_the_blocks_dequantized_values_in_bfloat16(amx, fmt):
+    """One-hot rows read the kernel's bfloat16 weight back exactly: it must be the format's own dequantization
+    (Canonical.dequantize) rounded to nearest even, padding columns included nowhere."""
+    rng = np.random.default_rng(fmt.bits * 100 + fmt.group)
+    n, k = 37, 96
+    u = rng.integers(0, 2**fmt.bits, (n, k)).astype(np.uint8)
+    scales = rng.uniform(1e-3, 3e-2, (n, k // fmt.group)).astype(np.float16).astype(np.float32)
+    offsets = rng.uniform(-0.2, 0.2, (n, k // fmt.group)).astype(np.float16).astype(np.float32) if fmt.affine else None
+    canonical = ql.Canonical(fmt, u, scales, offsets)
+    got = wl.linear(amx, torch.eye(k), ql.pack(canonical))
+    assert torch.equal(got.T, torch.from_numpy(canonical.dequantize()).bfloat16().float())
 
 
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (37, 96), (16, 32), (50, 64)])
 def test_kernel_matches_reference(amx, n, k):
     torch.manual_seed(n + k)
-    w, x, bias = torch.randn(n, k) * 0.05, torch.randn(45, k), torch.randn(n)
+    canonical, x, bias = int4(n, k, n + k), torch.randn(45, k), torch.randn(n)
+    w = torch.from_numpy(canonical.dequantize())
     for b in (None, bias):
-        got = wl.linear(amx, x, wl.pack(w), b)
+        got = wl.linear(amx, x, ql.pack(canonical), b)
         want, scale = reference(x, w, b)
         assert got.shape == (45, n) and got.dtype == torch.float32
         assert ((got.double() - want).abs() / scale).max() < REL
@@ -55,8 +73,7 @@ def test_kernel_matches_reference(amx, n, k):
 
 def test_a_row_alone_equals_the_row_in_any_batch_and_thread_count(amx):
     torch.manual_seed(0)
-    w, x, bias = torch.randn(100, 1536) * 0.05, torch.randn(300, 1536), torch.randn(100)
-    packed = wl.pack(w)
+    packed, x, bias = ql.pack(int4(100, 1536)), torch.randn(300, 1536), torch.randn(100)
     whole = wl.linear(amx, x, packed, bias)
     threads = torch.get_num_threads()
     try:
@@ -71,11 +88,13 @@ def test_a_row_alone_equals_the_row_in_any_batch_and_thread_count(amx):
 
 
 def test_bad_inputs_are_refused(amx):
-    packed = wl.pack(torch.randn(32, 64))
+    packed = ql.pack(int4(32, 64))
     with pytest.raises(ValueError, match=r"\[M, 64\]"):
         wl.linear(amx, torch.randn(3, 32), packed)
     with pytest.raises(RuntimeError, match="bias"):
-        amx.amx_linear(torch.randn(3, 64), packed.packed, 32, torch.randn(31))
+        amx.amx_linear(torch.randn(3, 64), *packed.op_args, torch.randn(31))
+    with pytest.raises(RuntimeError, match="does not fit"):
+        amx.amx_linear(torch.randn(3, 64), *packed.op_args[:-1], 48, None)
     assert wl.linear(amx, torch.randn(0, 64), packed).shape == (0, 32)
 
 
@@ -85,7 +104,7 @@ def test_a_build_without_avx512_has_no_amx_kernel_and_says_why():
         pytest.fail("the AVX2 build of the compiled ops failed")
     assert not wl.available(built)
     with pytest.raises(RuntimeError, match="no AMX-BF16"):
-        built.amx_linear(torch.randn(2, 64), wl.pack(torch.randn(16, 64)).packed, 16, None)
+        built.amx_linear(torch.randn(2, 64), *ql.pack(int4(16, 64)).op_args, None)
 
 
 def test_prompt_runs_follow_each_rows_own_position():
@@ -101,7 +120,7 @@ def test_prompt_runs_follow_each_rows_own_position():
 
 def _layer(kernels, n: int, k: int, wide: bool) -> QuantizedLinear:
     layer = QuantizedLinear(k, [n], torch.nn.Parameter(torch.randn(n), requires_grad=False), "int4", kernels)
-    layer.weight.load_shard(ql.quantize_int4(np.random.default_rng(n).normal(0, 0.05, (n, k)).astype(np.float32)), 0)
+    layer.weight.load_shard(int4(n, k, n), 0)
     layer.weight.finalize(ql.unify, wide=wide)
     return layer
 
@@ -114,10 +133,10 @@ def _context(rows: int, runs) -> ForwardContext:
 def test_the_layer_sends_prompt_rows_to_the_tiles_and_the_rest_to_the_blocks(amx):
     layer = _layer(amx, 96, 128, wide=True)
     w = layer.weight
-    assert w.wide is not None and w.nbytes == w.packed.nbytes + 96 * 128 * 2
+    assert w.tiles and w.nbytes == w.packed.nbytes  # no copy of the weight
     x = torch.randn(20, 128)
     quant = ql.linear(amx, x, w.packed, layer.bias)
-    tiles = wl.linear(amx, x, w.wide, layer.bias)
+    tiles = wl.linear(amx, x, w.packed, layer.bias)
     assert not torch.equal(quant, tiles)
     for runs in [((0, 20),), ((3, 9),), ((0, 4), (10, 20)), ((19, 20),)]:
         with forward_context(_context(20, runs)):
@@ -131,10 +150,10 @@ def test_the_layer_sends_prompt_rows_to_the_tiles_and_the_rest_to_the_blocks(amx
     assert torch.equal(layer(x), quant)  # outside a forward pass
 
 
-def test_without_amx_no_copy_is_made(kernels):
+def test_without_amx_prompt_rows_stay_on_the_blocks(kernels):
     built = cpu_ops.load("avx2")
     layer = _layer(built, 32, 64, wide=True)
-    assert layer.weight.wide is None
+    assert not layer.weight.tiles
     with forward_context(_context(4, ((0, 4),))):
         assert torch.equal(layer(torch.ones(4, 64)), ql.linear(built, torch.ones(4, 64), layer.weight.packed,
                                                                layer.bias))

@@ -48,8 +48,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("split_head_argmax", &split_head_argmax,
         "quant_linear_argmax's index for an 8-bit head stored as split planes: the high plane bounds every output, "
         "only blocks that can hold the largest are computed exactly (up to max_rows rows)", nogil);
-  m.def("amx_linear", &amx_linear, "x @ W^T (+ b) on AMX tiles: x rounded to bfloat16, W bfloat16 in tiles, "
-        "float32 sums in k order (a row's bits do not depend on the batch)", py::arg("x"), py::arg("packed"),
+  m.def("amx_linear", &amx_linear, "x @ dequant(W)^T (+ b) on AMX tiles: x and W rounded to bfloat16 (W tile by "
+        "tile from its blocks), float32 sums in k order (a row's bits do not depend on the batch)", py::arg("x"),
+        py::arg("quants"), py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"), py::arg("c"),
         py::arg("n"), py::arg("bias") = py::none(), nogil);
   m.def("amx_bf16_available", &amx_ready,
         "whether this build has the AMX-BF16 kernel and the OS granted this process AMX tile state");
@@ -57,7 +58,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<DecodeStack::Linear>, std::vector<torch::Tensor>, std::vector<double>,
                     std::vector<double>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
                     std::vector<int64_t>, double, int64_t, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                    std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>>())
+                    std::vector<torch::Tensor>, std::vector<torch::Tensor>, bool>())
       .def("forward", &DecodeStack::forward, "decode rows through every layer and the final norm", py::arg("x"),
            py::arg("positions"), py::arg("slots"), py::arg("tables"), py::arg("lens"), py::arg("block_size"),
            py::arg("tile_from") = -1, nogil);

@@ -27,10 +27,10 @@ DecodeStack::DecodeStack(std::vector<Linear> linears, std::vector<torch::Tensor>
                          std::vector<int64_t> groups, std::vector<int64_t> shape, double scale, int64_t act,
                          std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
                          std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
-                         std::vector<torch::Tensor> wide)
+                         bool tiles)
     : linears_(std::move(linears)), eps_(std::move(eps)), norm_index_(std::move(norm_index)),
       windows_(std::move(windows)), groups_(std::move(groups)), scale_(scale), act_(act), cos_(std::move(cos)),
-      sin_(std::move(sin)), k_caches_(std::move(k_caches)), v_caches_(std::move(v_caches)), wide_(std::move(wide)) {
+      sin_(std::move(sin)), k_caches_(std::move(k_caches)), v_caches_(std::move(v_caches)), tiles_(tiles) {
   const size_t L = windows_.size();
   TORCH_CHECK(L > 0 && linears_.size() == 4 * L && norm_index_.size() == kNorms * L + 1 && groups_.size() == L &&
               cos_.size() == L && sin_.size() == L && k_caches_.size() == L && v_caches_.size() == L &&
@@ -76,14 +76,7 @@ DecodeStack::DecodeStack(std::vector<Linear> linears, std::vector<torch::Tensor>
     const auto& b = std::get<7>(w);
     TORCH_CHECK(!b.has_value() || !b->defined() || (b->scalar_type() == torch::kFloat && b->is_contiguous()),
                 "DecodeStack: biases must be contiguous float32");
-    if (!wide_.empty()) {
-      const auto& t = wide_[i];
-      TORCH_CHECK(t.dim() == 4 && t.element_size() == 2 && t.is_contiguous() && t.size(0) == views_[i].nb &&
-                  t.size(1) * 32 == k && t.size(2) == 16 && t.size(3) == 32,
-                  "DecodeStack: wide weight ", i, " is not [n_pad / 16, K / 32, 16, 32] bfloat16");
-    }
   }
-  TORCH_CHECK(wide_.empty() || wide_.size() == linears_.size(), "DecodeStack: none or one wide weight per linear");
 }
 
 const float* DecodeStack::norm(size_t layer, Norm which) const {
@@ -106,7 +99,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
               "table and length tensor per group");
   x = x.contiguous();
   const int64_t T0 = x.size(0), P = tile_from < 0 || tile_from > T0 ? T0 : tile_from;  // rows P.. on the tiles
-  TORCH_CHECK(P == T0 || (!wide_.empty() && amx_ready()), "DecodeStack: rows for AMX tiles without wide weights "
+  TORCH_CHECK(P == T0 || (tiles_ && amx_ready()), "DecodeStack: rows for AMX tiles in a stack made without them "
               "or without AMX tile state");
   positions = positions.contiguous().to(torch::kLong);
   const int64_t T = x.size(0), qs = heads_ * head_dim_, kvs = kv_heads_ * head_dim_, D = head_dim_;
@@ -186,9 +179,8 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
     }
     if (TM > 0) {  // whole tiles of columns: ld is the padded width
       const int64_t nb = views_[i].nb, K = views_[i].k;
-      const auto [i0, i1] = share(amx_num_items(TM, nb));
-      amx_items(xbp, reinterpret_cast<const uint16_t*>(wide_[i].data_ptr()), out + P * ld, ld, TM, nb * 16, K, nb,
-                nullptr, i0, i1);
+      const auto [i0, i1] = share(amx_num_items(TM, nb, K));
+      amx_items(xbp, views_[i], out + P * ld, ld, TM, nb * 16, K, nullptr, i0, i1);
     }
   };
   // src (+ bias), normed by `post` if the layer has that norm, is added to res; h = next(res), rounded for the

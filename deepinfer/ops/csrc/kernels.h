@@ -33,17 +33,18 @@ struct QuantActs {
 QuantActs quantize_acts(const torch::Tensor& x);
 
 // amx_linear.cpp: bfloat16 on AMX tiles. The others run only where amx_ready() (built with the tiles, and the OS
-// granted this process tile state); amx_configure() once per thread and parallel region before amx_items.
+// granted this process tile state); amx_configure() on the thread before amx_items.
 bool amx_ready();
 void amx_configure();
 void amx_release();
 void amx_round_row(const float* x, int64_t K, uint16_t* a);  // x [K] -> bfloat16 bits, nearest even
-// items begin..end-1 of y = a W^T (+ bias): a [M, K] bfloat16 rows, zeros past M up to a multiple of 16; W packed
-// (ops/wide_linear.py) in nb blocks of 16 columns, N of them valid; y rows ldy apart. An item is a pair of column
-// blocks over a block of rows (amx_linear.cpp); every output is the same tile instructions over K in order.
-int64_t amx_num_items(int64_t M, int64_t nb);
-void amx_items(const uint16_t* a, const uint16_t* w, float* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
-               int64_t nb, const float* bias, int64_t begin, int64_t end);
+// items begin..end-1 of y = a W^T (+ bias): a [M, K] bfloat16 rows, zeros past M up to a multiple of 16; W the
+// packed blocks of a quantized weight (w.nb blocks of 16 columns, N of them valid), dequantized to bfloat16 tiles
+// as the items need them; y rows ldy apart. An item is a pair of column blocks over a block of rows
+// (amx_linear.cpp); every output is the same tile instructions over K in order.
+int64_t amx_num_items(int64_t M, int64_t nb, int64_t K);
+void amx_items(const uint16_t* a, const QuantView& w, float* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+               const float* bias, int64_t begin, int64_t end);
 
 // layer_ops.cpp: one row each.
 // out = x / sqrt(mean(x^2) + eps) * wo; with res: res += x first and the norm is of the sum (wo = weight + offset)

@@ -14,6 +14,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor quants, torch::Tensor 
 torch::Tensor quant_rows(torch::Tensor ids, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
                          int64_t bits, int64_t group, double c, int64_t k);
 std::string isa();
+
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset,
                        c10::optional<torch::Tensor> residual);
@@ -36,8 +37,10 @@ std::tuple<torch::Tensor, torch::Tensor> sample_sorted(torch::Tensor weights, to
                                                        torch::Tensor usable, torch::Tensor complete);
 torch::Tensor quant_linear_argmax(torch::Tensor x, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
                                   int64_t bits, int64_t group, double c, int64_t n);
-// amx_linear.cpp: many rows on AMX tiles against a bfloat16 copy of a weight (throws where the build has no AMX)
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
+// amx_linear.cpp: many rows on AMX tiles against a quantized weight dequantized to bfloat16 as it goes (quant_linear's
+// weight arguments; throws where the build has no AMX)
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
+                         int64_t bits, int64_t group, double c, int64_t n, c10::optional<torch::Tensor> bias);
 // split_head.cpp: an 8-bit symmetric LM head stored as a 5-bit high plane and 3 low bit planes
 torch::Tensor split_head_linear(torch::Tensor x, torch::Tensor high, torch::Tensor low, torch::Tensor scales, int64_t n);
 torch::Tensor split_head_rows(torch::Tensor ids, torch::Tensor high, torch::Tensor low, torch::Tensor scales, int64_t k);
@@ -66,11 +69,11 @@ class DecodeStack {
               std::vector<double> offsets, std::vector<int64_t> norm_index, std::vector<int64_t> windows,
               std::vector<int64_t> groups, std::vector<int64_t> shape, double scale, int64_t act,
               std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin, std::vector<torch::Tensor> k_caches,
-              std::vector<torch::Tensor> v_caches, std::vector<torch::Tensor> wide);
+              std::vector<torch::Tensor> v_caches, bool tiles);
   // x [T, H] the embedded tokens -> [T, H] the final norm of the last layer's output; slots, tables, lens: per
-  // group of layers. wide (constructor): none, or per linear its bfloat16 copy packed for AMX tiles
-  // (ops/wide_linear.py); rows tile_from.. then go through them (rounded to bfloat16 instead of int8), the rows
-  // before on the blocks (tile_from < 0: every row on the blocks).
+  // group of layers. tiles (constructor): whether rows tile_from.. may go to AMX tiles (amx_linear.cpp: rounded to
+  // bfloat16 instead of int8, each weight dequantized to bfloat16 tiles as it goes); the rows before run on the
+  // blocks (tile_from < 0: every row on the blocks).
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> slots,
                         std::vector<torch::Tensor> tables, std::vector<torch::Tensor> lens, int64_t block_size,
                         int64_t tile_from) const;
@@ -89,5 +92,5 @@ class DecodeStack {
   double scale_;
   int64_t act_;
   std::vector<torch::Tensor> cos_, sin_, k_caches_, v_caches_;
-  std::vector<torch::Tensor> wide_;  // empty, or one per linear
+  bool tiles_;  // rows may go to AMX tiles
 };
