@@ -2,8 +2,9 @@
 dequantized from its blocks to bfloat16 tiles as the kernel goes (no copy kept), products summed in float32 in K
 order.
 
-On a CPU with AMX, a prompt's matmuls are compute-bound and the tiles multiply bfloat16 ~2x faster than our int8
-dot products on the quantized blocks (doc/inference_deployment_qa.md, "Prompts in bfloat16 on AMX"). A weight's
+On a CPU with AMX, a prompt's matmuls are compute-bound and the tiles, dequantization included, multiply 1.5-2.6x
+faster than our int8 dot products on the quantized blocks at 64-512 rows (slower at 16: each call dequantizes the
+whole weight; doc/inference_deployment_qa.md, "Prompts in bfloat16 on AMX"). A weight's
 bfloat16 values are its blocks' dequantized values (Canonical.dequantize: scale * u + offset in float32) rounded to
 nearest even. Each row's outputs are the same instructions in the same order however many rows the call has, so a
 prompt's KV does not depend on how it was chunked or batched; oneDNN's bfloat16 matmul (the other way to reach the

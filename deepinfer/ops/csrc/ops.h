@@ -14,7 +14,6 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor quants, torch::Tensor 
 torch::Tensor quant_rows(torch::Tensor ids, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
                          int64_t bits, int64_t group, double c, int64_t k);
 std::string isa();
-
 torch::Tensor dense_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset,
                        c10::optional<torch::Tensor> residual);
