@@ -51,20 +51,20 @@ def main(argv: list[str] | None = None) -> None:
     for name, (n, k) in SHAPES[args.shapes].items():
         w = torch.randn(n, k) * 0.05
         q = ql.pack(ql.quantize_int4(w.numpy()))
-        layers[name] = (q, torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1), q, k)
+        layers[name] = (q, torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 1), k)
     kinds = {
-        "int4 blocks": lambda x, q, d, t: ql.linear(kernels, x, q),
-        "oneDNN bfloat16": lambda x, q, d, t: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), d, None, "none", [],
-                                                                                  "").float(),
-        "AMX tiles": lambda x, q, d, t: wl.linear(kernels, x, t),
+        "int4 blocks": lambda x, q, d: ql.linear(kernels, x, q),
+        "oneDNN bfloat16": lambda x, q, d: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), d, None, "none", [],
+                                                                               "").float(),
+        "AMX tiles": lambda x, q, d: wl.linear(kernels, x, q),
     }
     points = []
     for m in [int(r) for r in args.rows.split(",")]:
         totals = dict.fromkeys(kinds, 0.0)
-        for name, (q, d, t, k) in layers.items():
+        for name, (q, d, k) in layers.items():
             x = torch.randn(m, k)
             for kind, fn in kinds.items():
-                ms = median_seconds(lambda: fn(x, q, d, t), args.repeats) * 1e3
+                ms = median_seconds(lambda: fn(x, q, d), args.repeats) * 1e3
                 totals[kind] += ms
                 points.append({"rows": m, "layer": name, "kernel": kind, "ms": ms})
         ratios = ", ".join(f"{kind} {totals[kind]:.3f} ms" for kind in kinds)
@@ -74,12 +74,12 @@ def main(argv: list[str] | None = None) -> None:
     invariance = {}
     for kind, fn in kinds.items():  # row `start` .. of a 700-row batch, alone in a batch of m rows
         changed = []
-        for name, (q, d, t, k) in layers.items():
+        for name, (q, d, k) in layers.items():
             x = torch.randn(700, k)
-            whole = fn(x, q, d, t)
+            whole = fn(x, q, d)
             for m in INVARIANCE_ROWS:
                 for start in (0, 3, 700 - m):
-                    if not torch.equal(fn(x[start : start + m].contiguous(), q, d, t), whole[start : start + m]):
+                    if not torch.equal(fn(x[start : start + m].contiguous(), q, d), whole[start : start + m]):
                         changed.append(f"{name}@{m}")
         invariance[kind] = sorted(set(changed))
         print(f"{kind}: rows keep their bits across batch sizes {INVARIANCE_ROWS}: "

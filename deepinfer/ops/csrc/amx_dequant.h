@@ -9,14 +9,13 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstring>
+
+#include "quant_record_avx512.h"  // load16, piece_quants
 
 namespace amx_dequant {
 
 inline __m512 load_lanes(const void* p, bool half, int64_t i) {
-  if (half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                static_cast<const uint16_t*>(p) + i)));
-  return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+  return half ? load16(static_cast<const uint16_t*>(p) + i) : load16(static_cast<const float*>(p) + i);
 }
 
 // The 8-bit-layout piece q (lane j's 4 bytes: column j, k = 4q..4q+3 of the chunk) -> tile rows 2q and 2q + 1.
@@ -42,7 +41,6 @@ inline void piece_rows(__m512i piece, __m512 sv, __m512 ov, bool affine, int c, 
 inline void group_rows(const QuantView& w, int64_t b, int64_t g, uint16_t* out) {
   const int64_t ng = w.k / w.group, qb = 16 * w.group * w.bits / 8;
   const uint8_t* q = w.quants + (b * ng + g) * qb;
-  const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   const int c = (int)w.c;
   const int64_t i = (b * ng + g) * 16;
   const __m512 sv = load_lanes(w.scales, w.half, i);
@@ -55,15 +53,9 @@ inline void group_rows(const QuantView& w, int64_t b, int64_t g, uint16_t* out) 
     return;
   }
   for (int p = 0; p < 4; ++p) {  // nibbles: piece p's low halves are k = 8p..8p+3, its high halves 8p+4..8p+7
-    const __m512i v = _mm512_loadu_si512(q + 64 * p);
-    __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-    if (w.bits == 5) {  // + 16 in the bytes whose fifth bit is set
-      uint64_t ml, mh;
-      std::memcpy(&ml, q + 256 + 16 * p, 8);
-      std::memcpy(&mh, q + 264 + 16 * p, 8);
-      lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(ml), lo, sixteen);
-      hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(mh), hi, sixteen);
-    }
+    __m512i lo, hi;
+    if (w.bits == 5) piece_quants<5>(q, p, lo, hi);
+    else piece_quants<4>(q, p, lo, hi);
     piece_rows(lo, sv, ov, w.affine, c, rows + 128 * p);
     piece_rows(hi, sv, ov, w.affine, c, rows + 128 * p + 64);
   }

@@ -160,14 +160,10 @@ void amx_items(const uint16_t* a, const QuantView& w, float* y, int64_t ldy, int
   for (int64_t item = begin; item < end; ++item) {
     const int64_t nbk = item % pairs * 2, first = item / pairs * rb, last = std::min(first + rb, m_pad);
     const bool two_n = nbk + 1 < nb;
-    if (have != nbk) {
-      if (side.total > 0 && side.b == nbk) {  // the job started during the item before
-        side.finish();
-        std::swap(cur, next);
-      } else {
-        side.start(w, nbk, cur);
-        side.finish();
-      }
+    if (have != nbk) {  // this pair's tiles into next (the rest of the job the item before started, or all of it)
+      if (side.total == 0 || side.b != nbk) side.start(w, nbk, next);
+      side.finish();
+      std::swap(cur, next);
       have = nbk;
     }
     side = {};

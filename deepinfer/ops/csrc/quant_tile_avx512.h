@@ -1,11 +1,7 @@
 // Part of quant_linear.cpp, included there inside its anonymous namespace when the build has AVX-512 VNNI: tile()
 // for AVX-512. It uses load_i32, group_term and prefetch_ahead from quant_linear.cpp and follows the record layout
 // and arithmetic described at its top.
-template <typename ST> inline __m512 load16(const ST* p);
-template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <> inline __m512 load16<uint16_t>(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+#include "quant_record_avx512.h"  // load16, fifth_bits, piece_quants
 
 // isum += w (unsigned bytes) . the 4 signed bytes at x broadcast to every lane. With DI_EMBED_BCAST (default) the
 // broadcast is the dot product's own memory operand ({1to16}); from the intrinsics GCC emits a separate vpbroadcastd
@@ -24,25 +20,17 @@ inline __m512i dot_bcast(__m512i isum, __m512i w, const int8_t* x) {
 #endif
 }
 
-// 64 fifth bits of a 5-bit record's register of nibbles as a byte mask.
-inline __mmask64 fifth_bits(const uint8_t* p) {
-  uint64_t m;
-  std::memcpy(&m, p, 8);
-  return _cvtu64_mask64(m);
-}
-
 // ng 5-bit group records (32 values) -> the same quants as ng 8-bit records: piece p's low nibbles are the 8-bit
 // record's piece 2p, its high nibbles piece 2p + 1. The records are asked for kPrefetch groups ahead, as tile() does.
 inline void widen5(const uint8_t* q, int64_t ng, uint8_t* out) {
-  const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   for (int64_t g = 0; g < ng; ++g, q += 320, out += 512) {
     for (int line = 0; line < 320; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetch * 320 + line), _MM_HINT_T0);
     for (int p = 0; p < 4; ++p) {
-      const __m512i w = _mm512_loadu_si512(q + 64 * p);
-      const __m512i wl = _mm512_and_si512(w, low), wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
-      _mm512_storeu_si512(out + 128 * p, _mm512_mask_add_epi8(wl, fifth_bits(q + 256 + 16 * p), wl, sixteen));
-      _mm512_storeu_si512(out + 128 * p + 64, _mm512_mask_add_epi8(wh, fifth_bits(q + 264 + 16 * p), wh, sixteen));
+      __m512i wl, wh;
+      piece_quants<5>(q, p, wl, wh);
+      _mm512_storeu_si512(out + 128 * p, wl);
+      _mm512_storeu_si512(out + 128 * p + 64, wh);
     }
   }
 }
@@ -52,7 +40,6 @@ template <int MT, int BITS, int G, typename ST, bool AFF>
 void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
           const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
   constexpr int QB = 16 * G * BITS / 8;
-  const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
@@ -63,14 +50,8 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
     for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
     if (BITS == 4 || BITS == 5) {
       for (int p = 0; p < G / 8; ++p) {
-        const __m512i w = _mm512_loadu_si512(rec + 64 * p);
-        __m512i wl = _mm512_and_si512(w, low);
-        __m512i wh = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
-        if (BITS == 5) {  // + 16 in the bytes whose fifth bit is set (a masked byte add)
-          const __m512i sixteen = _mm512_set1_epi8(16);
-          wl = _mm512_mask_add_epi8(wl, fifth_bits(rec + 256 + 16 * p), wl, sixteen);
-          wh = _mm512_mask_add_epi8(wh, fifth_bits(rec + 256 + 16 * p + 8), wh, sixteen);
-        }
+        __m512i wl, wh;
+        piece_quants<BITS>(rec, p, wl, wh);
         for (int m = 0; m < MT; ++m) {
           const int8_t* x = xq + m * K + k0 + 8 * p;
           isum[m] = dot_bcast(isum[m], wl, x);
