@@ -48,9 +48,9 @@ class QuantWeight:
         return self.packed is not None or all(s is not None for s in self._shards)
 
     def finalize(self, unify: Callable[[list[ql.Canonical]], ql.Canonical], split: int | None = None,
-                 wide: bool = False) -> None:
+                 tiles: bool = False) -> None:
         """split: an LM head's 8-bit symmetric weight of at least this many bytes goes in split planes
-        (ops/quant_linear.SplitWeight) where the kernels have them; None: it stays packed. wide: prompt rows go to
+        (ops/quant_linear.SplitWeight) where the kernels have them; None: it stays packed. tiles: prompt rows go to
         AMX tiles (ops/wide_linear.py), where the kernels can compute on them."""
         if self.packed is not None or self.dense is not None:
             return
@@ -63,7 +63,7 @@ class QuantWeight:
         if (split is not None and self.packed.nbytes >= split and ql.splittable(self.packed)
                 and hasattr(self.kernels, "split_head_argmax")):
             self.packed = ql.split(self.packed)
-        self.tiles = wide and wl.available(self.kernels) and isinstance(self.packed, ql.PackedWeight)
+        self.tiles = tiles and wl.available(self.kernels) and isinstance(self.packed, ql.PackedWeight)
 
     @property
     def nbytes(self) -> int:

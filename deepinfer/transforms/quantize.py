@@ -72,11 +72,11 @@ def prepare_quantized(model: nn.Module, mode: str, kernels: ModuleType | None) -
 
 
 def finalize_quantized(model: nn.Module, summary: QuantSummary, huge_pages: bool = True,
-                       split_head: int | None = None, wide: bool = False) -> QuantSummary:
+                       split_head: int | None = None, tiles: bool = False) -> QuantSummary:
     """Packs every loaded quantized weight (a tied head shares its embedding's) and, with huge_pages, moves the
     packed tensors into 2 MiB pages (ops/huge_pages.py); returns the summary with bytes. split_head: an LM head
     without bias in 8-bit symmetric blocks (Q8_0, int8) of at least this many bytes goes in split planes
-    (ops/quant_linear.SplitWeight); None: none does. wide: every linear layer but the LM head computes prompt rows
+    (ops/quant_linear.SplitWeight); None: none does. tiles: every linear layer but the LM head computes prompt rows
     on AMX tiles, where the kernels have them (ops/wide_linear.py: no copy of the weight)."""
     heads = {id(m.weight) for m in model.modules() if isinstance(m, QuantizedLinear) and m.head and m.bias is None}
     seen, total, tensors, tile_layers = set(), 0, [], 0
@@ -85,7 +85,7 @@ def finalize_quantized(model: nn.Module, summary: QuantSummary, huge_pages: bool
             w = module.weight
             seen.add(id(w))
             w.finalize(unify, split=None if split_head is None or id(w) not in heads else split_head,
-                       wide=wide and isinstance(module, QuantizedLinear) and not module.head)
+                       tiles=tiles and isinstance(module, QuantizedLinear) and not module.head)
             total += w.nbytes
             if w.packed is not None:
                 tensors += list(w.packed.tensors)

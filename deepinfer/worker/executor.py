@@ -179,7 +179,7 @@ class InProcessExecutor(Executor):
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.kv_dtype, self.device,
                                   self.config.batch_invariant, layout, kernels, self.config.spec,
                                   self.config.enable_mtp_varlen)
-        self.runner.prompt_rows_wide = self.amx_prefill
+        self.runner.prompt_rows_tiles = self.amx_prefill
         if kv_store is not None:
             self.runner.kv_transfer = KVBlockTransfer(kv_store.store, kv_store.saver, self.runner.slot_caches,
                                                       num_blocks, cc.block_size)

@@ -69,7 +69,7 @@ def build_model(hf_config: dict, weights, dtype: str, device: str, max_positions
     summary = prepare_quantized(model, quantization, ops) if quantization else None
     model.load_weights(weights)
     if summary is not None:
-        summary = finalize_quantized(model, summary, huge_pages, split_head, wide=amx_prefill)
+        summary = finalize_quantized(model, summary, huge_pages, split_head, tiles=amx_prefill)
         logger.info("quantization %s: %d layers on packed blocks (%.1f MiB; %s)%s%s", summary.mode, summary.quantized,
                     summary.weight_bytes / 2**20, summary.pages(),
                     f"; prompt rows on AMX tiles in {summary.tile_layers} layers" if summary.tile_layers else "",

@@ -160,7 +160,7 @@ class ModelRunner:
         self.decode_batch: DecodeBatch | None = DecodeBatch(len(self.layout.groups), block_size, self.device)
         # the model's quantized layers compute prompt rows on AMX tiles (ops/wide_linear.py): the forward context
         # names the step's prompt rows
-        self.prompt_rows_wide = False
+        self.prompt_rows_tiles = False
 
     def _apply_diff(self, plan: StepPlan) -> None:
         for request_id in plan.finished_ids:
@@ -214,7 +214,7 @@ class ModelRunner:
                              batch_invariant=self.batch_invariant,
                              layer_attn=[md[g] for g, _ in self._placement] if len(md) > 1 else None,
                              cpu_kernels=self.cpu_kernels)
-        if self.prompt_rows_wide:
+        if self.prompt_rows_tiles:
             ctx.prompt_runs = prompt_runs(inputs.requests, {r.request_id: self._requests[r.request_id].num_prompt_tokens
                                                             for r in inputs.requests})
         clock = _lap(result, "prepare", clock)

@@ -118,10 +118,10 @@ def test_prompt_runs_follow_each_rows_own_position():
     assert prompt_runs(rows[:1], lens) == ()
 
 
-def _layer(kernels, n: int, k: int, wide: bool) -> QuantizedLinear:
+def _layer(kernels, n: int, k: int, tiles: bool) -> QuantizedLinear:
     layer = QuantizedLinear(k, [n], torch.nn.Parameter(torch.randn(n), requires_grad=False), "int4", kernels)
     layer.weight.load_shard(int4(n, k, n), 0)
-    layer.weight.finalize(ql.unify, wide=wide)
+    layer.weight.finalize(ql.unify, tiles=tiles)
     return layer
 
 
@@ -131,7 +131,7 @@ def _context(rows: int, runs) -> ForwardContext:
 
 
 def test_the_layer_sends_prompt_rows_to_the_tiles_and_the_rest_to_the_blocks(amx):
-    layer = _layer(amx, 96, 128, wide=True)
+    layer = _layer(amx, 96, 128, tiles=True)
     w = layer.weight
     assert w.tiles and w.nbytes == w.packed.nbytes  # no copy of the weight
     x = torch.randn(20, 128)
@@ -152,7 +152,7 @@ def test_the_layer_sends_prompt_rows_to_the_tiles_and_the_rest_to_the_blocks(amx
 
 def test_without_amx_prompt_rows_stay_on_the_blocks(kernels):
     built = cpu_ops.load("avx2")
-    layer = _layer(built, 32, 64, wide=True)
+    layer = _layer(built, 32, 64, tiles=True)
     assert not layer.weight.tiles
     with forward_context(_context(4, ((0, 4),))):
         assert torch.equal(layer(torch.ones(4, 64)), ql.linear(built, torch.ones(4, 64), layer.weight.packed,
@@ -223,7 +223,7 @@ def test_engine_tokens_do_not_depend_on_batch_chunks_or_cached_prefixes(amx):
         return [(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs]
 
     llm = LLM(kv_cache_memory=64 << 20, enable_prefix_caching=False, amx_prefill=True)
-    assert llm.engine.executor.runner.prompt_rows_wide
+    assert llm.engine.executor.runner.prompt_rows_tiles
     alone = [result(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
     assert result(llm.generate(prompts, params, use_tqdm=False)) == alone
     del llm
