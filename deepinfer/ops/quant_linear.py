@@ -133,7 +133,7 @@ def pack(w: Canonical) -> PackedWeight:
         padded = np.zeros((n_pad, ng), dtype=np.float32)
         padded[:n] = values
         exact = padded.astype(sdt)
-        if not np.array_equal(exact.astype(np.float32), padded):
+        if not np.array_equal(exact.astype(np.float32), padded, equal_nan=True):  # a NaN scale is a NaN scale
             raise ValueError(f"scales are not exact in {fmt.scale_dtype}")
         return torch.from_numpy(np.ascontiguousarray(exact.reshape(nb, ROWS_PER_BLOCK, ng).transpose(0, 2, 1)))
 

@@ -12,8 +12,12 @@
 // Activations x [M, K] float32 -> xq int8 (round-to-nearest-even of x / d, d = max|x| / 127 per 32 values),
 // xd [M, K/32] the d's, xs [M, K/16] sums of xq per 16 values, xt [M, 3K/32] the offset terms' factors
 // d * float(xsum) per 16 values then per 32 (once per row, not once per block of outputs). Then per output (m, n),
-// over groups g in order:
-//   acc += float(isum) * (scale * d) ; acc += offset * (d * float(xsum))        isum = sum u * xq (exact, int32)
+// over groups g in order, isum = sum u * xq (exact, int32):
+//   stored offsets (affine formats):  acc += float(isum) * (scale * d) ; acc += offset * (d * float(xsum))
+//   symmetric, integer c (Q8_0, Q4_0, Q5_0, Q6_K, int8, int4):  acc += float(isum + c * xsum) * (scale * d)
+//   symmetric, other c (the split head's first pass):  the first form with offset = c * scale
+// Folding an integer c into the integer sum is exact, drops one FMA per row and group and the cancellation between
+// the two large terms (u x and c x, c = -128 for Q8_0).
 // Every output row of every activation row runs exactly this sequence, whatever M, the tile it falls in or the
 // thread that runs it: a row's result does not depend on the rest of the batch (batch invariance).
 #include "aten.h"
@@ -48,6 +52,10 @@ constexpr int kMaxTile = 4;
 constexpr const char* kIsa = "generic";
 constexpr int kMaxTile = 1;
 #endif
+
+// How a group's offset enters (the arithmetic at the top): stored per group, folded into the integer sum (a
+// symmetric format's integer c), or c * scale as a float (a symmetric c that is not an integer).
+enum Offsets { kStored, kFolded, kScaled };
 
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
@@ -129,27 +137,7 @@ inline void prefetch_ahead(const uint8_t* rec, const ST* s, const ST* o) {
 #include "quantize_row_avx2.h"
 
 #else
-template <int MT, int BITS, int G, typename ST, bool AFF>
-void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
-          const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
-  constexpr int QB = 16 * G * BITS / 8;
-  for (int m = 0; m < MT; ++m) {
-    for (int j = 0; j < 16; ++j) {
-      float acc = 0.f;
-      for (int64_t g = 0; g < ng; ++g) {
-        const uint8_t* rec = q + g * QB;
-        int32_t isum = 0;
-        for (int i = 0; i < G; ++i) isum += quant_at<BITS>(rec, j, i) * (int32_t)xq[m * K + g * G + i];
-        const float sv = scalar_of(s, (int)(g * 16 + j));
-        const float ov = AFF ? scalar_of(o, (int)(g * 16 + j)) : sv * c;
-        const float d = xd[m * (K / 32) + g * G / 32];
-        acc = std::fma((float)isum, sv * d, acc);
-        acc = std::fma(ov, *group_term<G>(xt, m, K, g), acc);
-      }
-      out[m * ldo + j] = acc;
-    }
-  }
-}
+#include "quant_tile_generic.h"
 #endif
 
 }  // namespace
@@ -197,16 +185,16 @@ namespace {
 
 // The M rows of one block of 16 outputs (its records at qr): tiles of kMaxTile rows, then one tile of the rest (one
 // pass over the weight block per tile); every row runs the same per-row sequence whatever tile it falls in.
-template <int BITS, int G, typename ST, bool AFF>
+template <int BITS, int G, typename ST, int OFF>
 void block_tiles(const uint8_t* qr, const ST* sr, const ST* orr, float c, int64_t ng, int64_t K, const int8_t* xq,
                  const float* xd, const int32_t* xs, const float* xt, int64_t M, float* out, int64_t ldo) {
   int64_t m = 0;
   for (; m + kMaxTile <= M; m += kMaxTile)
-    tile<kMaxTile, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16),
+    tile<kMaxTile, BITS, G, ST, OFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16),
                                      xt + m * (3 * K / 32), K, out + m * ldo, ldo);
 #if defined(DI_AVX512) || defined(DI_AVX2)
   auto rest = [&](auto rows) {
-    tile<decltype(rows)::value, BITS, G, ST, AFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32),
+    tile<decltype(rows)::value, BITS, G, ST, OFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32),
                                                   xs + m * (K / 16), xt + m * (3 * K / 32), K, out + m * ldo, ldo);
   };
   switch (M - m) {
@@ -237,7 +225,7 @@ void block_tiles(const uint8_t* qr, const ST* sr, const ST* orr, float c, int64_
 #endif
 constexpr int64_t kWiden5Rows = DI_WIDEN5_ROWS;
 
-template <int BITS, int G, typename ST, bool AFF>
+template <int BITS, int G, typename ST, int OFF>
 void block_rows(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, const int8_t* xq, const float* xd,
                 const int32_t* xs, const float* xt, int64_t M, float* out, int64_t ldo, int64_t begin, int64_t end,
                 int64_t col0) {
@@ -251,18 +239,18 @@ void block_rows(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, 
   for (int64_t b = begin; b < end; ++b) {
     const uint8_t* qr = q + b * ng * qb;
     const ST* sr = s + b * ng * 16;
-    const ST* orr = AFF ? o + b * ng * 16 : nullptr;
+    const ST* orr = OFF == kStored ? o + b * ng * 16 : nullptr;
     float* ob = out + 16 * (b - col0);
 #if defined(DI_AVX512)
     if constexpr (BITS == 5 && G == 32) {
       if (wide) {
         widen5(qr, ng, wide.get());
-        block_tiles<8, G, ST, AFF>(wide.get(), sr, orr, c, ng, K, xq, xd, xs, xt, M, ob, ldo);
+        block_tiles<8, G, ST, OFF>(wide.get(), sr, orr, c, ng, K, xq, xd, xs, xt, M, ob, ldo);
         continue;
       }
     }
 #endif
-    block_tiles<BITS, G, ST, AFF>(qr, sr, orr, c, ng, K, xq, xd, xs, xt, M, ob, ldo);
+    block_tiles<BITS, G, ST, OFF>(qr, sr, orr, c, ng, K, xq, xd, xs, xt, M, ob, ldo);
   }
 }
 
@@ -276,25 +264,25 @@ void block_rows(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, 
 #endif
 constexpr int64_t kRowChunk = DI_ROW_CHUNK;
 
-template <int BITS, int G, typename ST, bool AFF>
+template <int BITS, int G, typename ST, int OFF>
 void blocks(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, const int8_t* xq, const float* xd,
             const int32_t* xs, const float* xt, int64_t M, float* out, int64_t ldo, int64_t begin, int64_t end,
             int64_t col0) {
   for (int64_t m = 0; m < M; m += kRowChunk)
-    block_rows<BITS, G, ST, AFF>(q, s, o, c, K, xq + m * K, xd + m * (K / 32), xs + m * (K / 16),
+    block_rows<BITS, G, ST, OFF>(q, s, o, c, K, xq + m * K, xd + m * (K / 32), xs + m * (K / 16),
                                  xt + m * (3 * K / 32), std::min(kRowChunk, M - m), out + m * ldo, ldo, begin, end,
                                  col0);
 }
 
-template <typename ST, bool AFF>
+template <typename ST, int OFF>
 void blocks_of(const QuantView& w, const int8_t* xq, const float* xd, const int32_t* xs, const float* xt, int64_t M,
                float* out, int64_t ldo, int64_t begin, int64_t end, int64_t col0) {
   const auto* s = static_cast<const ST*>(w.scales);
   const auto* o = static_cast<const ST*>(w.offsets);
-  if (w.bits == 4 && w.group == 32) return blocks<4, 32, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
-  if (w.bits == 5 && w.group == 32) return blocks<5, 32, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
-  if (w.bits == 8 && w.group == 32) return blocks<8, 32, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
-  if (w.bits == 8 && w.group == 16) return blocks<8, 16, ST, AFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+  if (w.bits == 4 && w.group == 32) return blocks<4, 32, ST, OFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+  if (w.bits == 5 && w.group == 32) return blocks<5, 32, ST, OFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+  if (w.bits == 8 && w.group == 32) return blocks<8, 32, ST, OFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+  if (w.bits == 8 && w.group == 16) return blocks<8, 16, ST, OFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
 }
 
 }  // namespace
@@ -315,13 +303,19 @@ QuantView quant_view(const torch::Tensor& quants, const torch::Tensor& scales, c
 
 void quant_blocks(const QuantView& w, const int8_t* xq, const float* xd, const int32_t* xs, const float* xt,
                   int64_t M, float* out, int64_t ldo, int64_t begin, int64_t end, int64_t col0) {
-  if (w.half) {
-    if (w.affine) blocks_of<uint16_t, true>(w, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
-    else blocks_of<uint16_t, false>(w, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
-  } else {
-    if (w.affine) blocks_of<float, true>(w, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
-    else blocks_of<float, false>(w, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+  if (!w.affine && w.c != std::nearbyint(w.c)) {  // a c that is not an integer: only the split head's first pass
+    TORCH_CHECK(w.half && w.bits == 5 && w.group == 32, "quant_blocks: a non-integer c needs 5-bit float16 blocks");
+    const auto* s = static_cast<const uint16_t*>(w.scales);
+    return blocks<5, 32, uint16_t, kScaled>(w.quants, s, nullptr, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end,
+                                            col0);
   }
+  auto run = [&](auto st) {
+    using ST = decltype(st);
+    if (w.affine) blocks_of<ST, kStored>(w, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+    else blocks_of<ST, kFolded>(w, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+  };
+  if (w.half) run(uint16_t{});
+  else run(float{});
 }
 
 QuantActs quantize_acts(const torch::Tensor& x) {

@@ -28,7 +28,7 @@ inline __m256i fifth_bits(const uint8_t* p) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(16));
 }
 
-template <int MT, int BITS, int G, typename ST, bool AFF>
+template <int MT, int BITS, int G, typename ST, int OFF>
 void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
           const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
   constexpr int QB = 16 * G * BITS / 8;
@@ -39,9 +39,10 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
     for (int64_t g = 0; g < ng; ++g) {
       const uint8_t* rec = q + g * QB + 32 * half;
       const int64_t k0 = g * G;
-      if (half == 0) prefetch_ahead<QB>(q + g * QB, s + g * 16, AFF ? o + g * 16 : nullptr);
-      __m256i isum[MT];
-      for (int m = 0; m < MT; ++m) isum[m] = _mm256_setzero_si256();
+      if (half == 0) prefetch_ahead<QB>(q + g * QB, s + g * 16, OFF == kStored ? o + g * 16 : nullptr);
+      __m256i isum[MT];  // a folded offset starts the integer sum at c * sum(xq)
+      for (int m = 0; m < MT; ++m)
+        isum[m] = OFF == kFolded ? _mm256_set1_epi32((int32_t)c * group_xsum<G>(xs, m, K, g)) : _mm256_setzero_si256();
       if (BITS == 4 || BITS == 5) {
         const uint8_t* fifth = q + g * QB + 256 + 4 * half;  // + 16p: piece p's low nibbles' bits, + 8 the high's
 #if defined(DI_AVXVNNI)
@@ -104,11 +105,11 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
 #endif
       }
       const __m256 sv = load8(s + g * 16 + 8 * half);
-      const __m256 ov = AFF ? load8(o + g * 16 + 8 * half) : _mm256_mul_ps(sv, _mm256_set1_ps(c));
+      const __m256 ov = OFF == kStored ? load8(o + g * 16 + 8 * half) : _mm256_mul_ps(sv, _mm256_set1_ps(c));
       for (int m = 0; m < MT; ++m) {
         const float d = xd[m * (K / 32) + k0 / 32];
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(sv, _mm256_set1_ps(d)), acc[m]);
-        acc[m] = _mm256_fmadd_ps(ov, _mm256_set1_ps(*group_term<G>(xt, m, K, g)), acc[m]);
+        if (OFF != kFolded) acc[m] = _mm256_fmadd_ps(ov, _mm256_set1_ps(*group_term<G>(xt, m, K, g)), acc[m]);
       }
     }
     for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo + 8 * half, acc[m]);

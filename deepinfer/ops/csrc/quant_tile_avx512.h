@@ -36,7 +36,7 @@ inline void widen5(const uint8_t* q, int64_t ng, uint8_t* out) {
 }
 
 // MT activation rows x 16 output rows: out[m * ldo + 0..15].
-template <int MT, int BITS, int G, typename ST, bool AFF>
+template <int MT, int BITS, int G, typename ST, int OFF>
 void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
           const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
   constexpr int QB = 16 * G * BITS / 8;
@@ -45,9 +45,10 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
   for (int64_t g = 0; g < ng; ++g) {
     const uint8_t* rec = q + g * QB;
     const int64_t k0 = g * G;
-    prefetch_ahead<QB>(rec, s + g * 16, AFF ? o + g * 16 : nullptr);
-    __m512i isum[MT];
-    for (int m = 0; m < MT; ++m) isum[m] = _mm512_setzero_si512();
+    prefetch_ahead<QB>(rec, s + g * 16, OFF == kStored ? o + g * 16 : nullptr);
+    __m512i isum[MT];  // a folded offset starts the integer sum at c * sum(xq)
+    for (int m = 0; m < MT; ++m)
+      isum[m] = OFF == kFolded ? _mm512_set1_epi32((int32_t)c * group_xsum<G>(xs, m, K, g)) : _mm512_setzero_si512();
     if (BITS == 4 || BITS == 5) {
       for (int p = 0; p < G / 8; ++p) {
         __m512i wl, wh;
@@ -66,11 +67,11 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
       }
     }
     const __m512 sv = load16(s + g * 16);
-    const __m512 ov = AFF ? load16(o + g * 16) : _mm512_mul_ps(sv, _mm512_set1_ps(c));
+    const __m512 ov = OFF == kStored ? load16(o + g * 16) : _mm512_mul_ps(sv, _mm512_set1_ps(c));
     for (int m = 0; m < MT; ++m) {
       const __m512 d = _mm512_set1_ps(xd[m * (K / 32) + k0 / 32]);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(sv, d), acc[m]);
-      acc[m] = _mm512_fmadd_ps(ov, _mm512_set1_ps(*group_term<G>(xt, m, K, g)), acc[m]);
+      if (OFF != kFolded) acc[m] = _mm512_fmadd_ps(ov, _mm512_set1_ps(*group_term<G>(xt, m, K, g)), acc[m]);
     }
   }
   for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);

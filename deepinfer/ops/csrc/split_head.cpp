@@ -13,7 +13,8 @@
 //   2. the exact outputs (the 8-bit tiles' arithmetic) only of blocks that can hold the largest one.
 // |z - z~| <= R_i ||x||_2 by Cauchy-Schwarz, R_i = ||d (l - 3.5)||_2 over row i's weights, plus the float rounding
 // of both passes, bounded by E2_i ||x||_1 (E2_i = gamma * 760 * max_g d: every term of either sum is at most 383 d
-// |x| and gamma covers 2 ng + 16 roundings, twice). Row i's bound is bound[i] = (R_i, E2_i), rounded up at packing.
+// |x| and gamma covers 2 ng + 16 roundings, twice; the exact pass, its c = -128 folded into the integer sums, has
+// terms of at most 128 d |x| and ng fewer roundings). Row i's bound is bound[i] = (R_i, E2_i), rounded up at packing.
 // A row whose upper bound z~ + B falls below the best lower bound z~ - B of any row cannot hold the maximum, nor tie
 // it; every other block is computed exactly and scanned in index order. Rows with a non-finite value go the exact
 // way entirely (argmax_blocks.h), as do batches of more than max_rows rows, where pass 2 would cost what it saves.
@@ -123,26 +124,24 @@ struct Unpack {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // Block b's outputs for one activation row, exactly as the 8-bit tiles compute them on the widened records (the
-// same integer sums, then per group acc += float(isum) * (scale * d); acc += (scale * -128) * (d * float(xsum))),
-// the unpacking done in registers: one row reads the planes once and widens nothing to memory.
-void exact_row(const SplitView& w, int64_t b, const int8_t* xq, const float* xd, const float* xt, float* out) {
+// same integer sums, started at -128 * sum(xq) of the group, then per group acc += float(isum) * (scale * d)), the
+// unpacking done in registers: one row reads the planes once and widens nothing to memory. xs: the row's sums of
+// xq per 16 values.
+void exact_row(const SplitView& w, int64_t b, const int8_t* xq, const float* xd, const int32_t* xs, float* out) {
   const Unpack un;
   const uint8_t* h = w.high + b * w.ng * kHigh;
   const uint8_t* l = w.low + b * w.ng * kLow;
   const uint16_t* s = w.scales + b * w.ng * 16;
-  const float* terms = xt + w.k / 16;  // per 32 values (quant_linear.cpp's group_term)
   __m512 acc = _mm512_setzero_ps();
   for (int64_t g = 0; g < w.ng; ++g, h += kHigh, l += kLow) {
     prefetch_planes(h, l);
-    __m512i isum = _mm512_setzero_si512();
+    __m512i isum = _mm512_set1_epi32(-128 * (xs[2 * g] + xs[2 * g + 1]));
     for (int p = 0; p < 4; ++p)
       un.piece(h, l, p, [&](int r, __m512i u) {  // the 4 activations broadcast from memory, as the tiles do
         __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(isum) : "v"(u), "m"(*reinterpret_cast<const bytes4*>(xq + 32 * g + 4 * r)));
       });
     const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16 * g)));
-    const __m512 ov = _mm512_mul_ps(sv, _mm512_set1_ps(-128.f));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(sv, _mm512_set1_ps(xd[g])), acc);
-    acc = _mm512_fmadd_ps(ov, _mm512_set1_ps(terms[g]), acc);
   }
   _mm512_storeu_ps(out, acc);
 }
@@ -189,7 +188,7 @@ void exact_blocks(const SplitView& w, const int8_t* xq, const float* xd, const i
     const int64_t K = w.k;
     for (int64_t bb = b; bb < e; ++bb)
       for (int64_t m = 0; m < M; ++m)
-        exact_row(w, bb, xq + m * K, xd + m * (K / 32), xt + m * (3 * K / 32), out + m * ldo + 16 * (bb - b));
+        exact_row(w, bb, xq + m * K, xd + m * (K / 32), xs + m * (K / 16), out + m * ldo + 16 * (bb - b));
     return;
   }
 #endif
