@@ -11,7 +11,8 @@ A shape is requests x prompt tokens x output tokens (random ordinary token ids, 
 alternate which engine runs first; medians of --rounds, and the median and range of each round's old / new ratio
 (the pair ran back to back: drift cancels). Run it once with --old pointing at the current sources to see this
 machine's noise: at stop 41 the same sources on both sides read 1.003x and 1.025x at batch 64, and five runs of a
-~4% change read 0.94-1.08x.
+~4% change read 0.94-1.08x. A change that rounds differently (stop 49's folded offsets) runs with --other-bits: the
+share of tokens before each request's first difference is printed instead of the check.
 """
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--out", default="benchmarks/results/kernels_e2e.json")
+    parser.add_argument("--other-bits", action="store_true",
+                        help="the new kernels round differently (an arithmetic change): report the share of greedy "
+                             "tokens equal up to each request's first difference instead of refusing")
     args = parser.parse_args()
     import torch
 
@@ -68,21 +72,33 @@ def main() -> None:
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=out)
         times, tokens = take_turns(engines, prompts, params, args.rounds)
-        if tokens["old"] != tokens["new"]:
+        same = _shared_prefix_share(tokens["old"], tokens["new"])
+        if same < 1 and not args.other_bits:
             sys.exit(f"{batch}x{prompt}x{out}: the two builds' tokens differ")
         old, new = (statistics.median(times[n]) for n in ("old", "new"))
         pairs = paired_ratios(times["old"], times["new"])  # their spread says how far to trust the median
         rate = batch * out if out > 1 else batch * prompt  # output tokens/s, or prompt tokens/s for prefill shapes
         points.append({"batch": batch, "prompt": prompt, "output": out, "old_s": old, "new_s": new,
                        "old_tok_s": rate / old, "new_tok_s": rate / new, "speedup": old / new,
-                       "paired_speedup": statistics.median(pairs), "paired_range": [pairs[0], pairs[-1]]})
+                       "paired_speedup": statistics.median(pairs), "paired_range": [pairs[0], pairs[-1]],
+                       "tokens_equal_share": same})
         kind = "output" if out > 1 else "prompt"
         print(f"{batch:3d} x {prompt:4d} in x {out:4d} out: {kind} tok/s old {rate / old:8.1f} new {rate / new:8.1f} "
               f"({old / new:.3f}x; paired {statistics.median(pairs):.3f}x, {pairs[0]:.3f}-{pairs[-1]:.3f}), "
-              "tokens equal", flush=True)
+              + ("tokens equal" if same == 1 else f"{same:.1%} of tokens before the first difference"), flush=True)
     write_json({"benchmark": "kernels_e2e", "machine": machine_info(args.threads), "model": args.model, "old": args.old,
                 "points": points}, args.out)
     print(f"wrote {args.out}")
+
+
+def _shared_prefix_share(old: list, new: list) -> float:
+    """Tokens before each request's first difference, as a share of all tokens (1.0: the same tokens)."""
+    total = same = 0
+    for a, b in zip(old, new):
+        a, b = list(a), list(b)
+        total += len(a)
+        same += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return same / total if total else 1.0
 
 
 if __name__ == "__main__":
