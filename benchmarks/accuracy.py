@@ -22,7 +22,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import default_output_path, machine_info, ordinary_token_ids, random_requests, write_json  # noqa: E402
+from common import (default_output_path, machine_info, matched_prefix_share, ordinary_token_ids,  # noqa: E402
+                    random_requests, write_json)
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "perplexity_text.md")
 MODES = {
@@ -93,11 +94,6 @@ def teacher_forced(llm, prompts: list[list[int]], continuations: list[list[int]]
     return agree / total
 
 
-def free_running(ours: list[list[int]], reference: list[list[int]]) -> float:
-    matched = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y)) for x, y in zip(ours, reference)]
-    return sum(matched) / sum(len(y) for y in reference)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
@@ -125,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         row = {"mode": mode, "compute": llm.engine.compute.name, "perplexity": perplexity(llm, reference["windows"])}
         if mode != "float32":
             row["teacher_forced_top1"] = teacher_forced(llm, reference["prompts"], reference["greedy"])
-            row["free_running_prefix"] = free_running(greedy(llm, reference["prompts"], args.gen_len),
+            row["free_running_prefix"] = matched_prefix_share(greedy(llm, reference["prompts"], args.gen_len),
                                                       reference["greedy"])
         row["seconds"] = time.perf_counter() - start
         rows.append(row)

@@ -78,9 +78,16 @@ def greedy_agreement(ours: RunResult, reference: RunResult) -> dict[str, float] 
     pairs = list(zip(ours.token_ids, reference.token_ids))
     if not pairs or len(ours.token_ids) != len(reference.token_ids):
         raise ValueError(f"cannot compare {len(ours.token_ids)} outputs with {len(reference.token_ids)}")
-    prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in pairs]
     return {"identical_requests": sum(x == y for x, y in pairs) / len(pairs),
-            "matched_prefix_tokens": sum(prefix) / sum(len(y) for _, y in pairs)}
+            "matched_prefix_tokens": matched_prefix_share(ours.token_ids, reference.token_ids)}
+
+
+def matched_prefix_share(ours: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> float:
+    """Output tokens before each request's first difference from the reference, as a share of the reference's."""
+    matched = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+               for x, y in zip(ours, reference)]
+    total = sum(len(y) for y in reference)
+    return sum(matched) / total if total else 1.0
 
 
 class EngineUnavailable(Exception):

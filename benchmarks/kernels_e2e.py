@@ -22,7 +22,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (machine_info, ordinary_token_ids, paired_ratios, random_requests, take_turns,  # noqa: E402
+from common import (machine_info, matched_prefix_share, ordinary_token_ids, paired_ratios, random_requests, take_turns,  # noqa: E402
                     write_json)
 
 
@@ -72,7 +72,7 @@ def main() -> None:
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=out)
         times, tokens = take_turns(engines, prompts, params, args.rounds)
-        same = _shared_prefix_share(tokens["old"], tokens["new"])
+        same = matched_prefix_share(tokens["new"], tokens["old"])
         if same < 1 and not args.other_bits:
             sys.exit(f"{batch}x{prompt}x{out}: the two builds' tokens differ")
         old, new = (statistics.median(times[n]) for n in ("old", "new"))
@@ -89,16 +89,6 @@ def main() -> None:
     write_json({"benchmark": "kernels_e2e", "machine": machine_info(args.threads), "model": args.model, "old": args.old,
                 "points": points}, args.out)
     print(f"wrote {args.out}")
-
-
-def _shared_prefix_share(old: list, new: list) -> float:
-    """Tokens before each request's first difference, as a share of all tokens (1.0: the same tokens)."""
-    total = same = 0
-    for a, b in zip(old, new):
-        a, b = list(a), list(b)
-        total += len(a)
-        same += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return same / total if total else 1.0
 
 
 if __name__ == "__main__":

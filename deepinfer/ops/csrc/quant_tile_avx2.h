@@ -12,8 +12,8 @@ template <> inline __m256 load8<uint16_t>(const uint16_t* p) {
 // - 4-bit quants (0..15): a pair is at most 2 * 15 * 127 = 3810, so four pieces' products (8 maddubs, <= 30480) add
 //   up in int16 before one madd widens them; 5-bit quants (0..31, a pair <= 7874): two pieces (<= 31496);
 // - 8-bit quants u (0..255) would overflow a pair; u - 128 (u ^ 0x80) is a signed byte whose magnitude (<= 128)
-//   times a sign-adjusted x (<= 127) keeps a pair within 32512 (llama.cpp's trick), and the group's sum gets
-//   128 * sum(x) added back: sum u x = sum (u - 128) x + 128 sum x, exactly.
+//   times a sign-adjusted x (<= 127) keeps a pair within 32512 (llama.cpp's trick), and the group's sum starts at
+//   128 * sum(x): sum u x = sum (u - 128) x + 128 sum x, exactly (with Q8_0's folded c = -128, it starts at 0).
 #if !defined(DI_AVXVNNI)
 inline __m256i widen16(__m256i s16) { return _mm256_madd_epi16(s16, _mm256_set1_epi16(1)); }
 #endif
@@ -40,9 +40,16 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
       const uint8_t* rec = q + g * QB + 32 * half;
       const int64_t k0 = g * G;
       if (half == 0) prefetch_ahead<QB>(q + g * QB, s + g * 16, OFF == kStored ? o + g * 16 : nullptr);
-      __m256i isum[MT];  // a folded offset starts the integer sum at c * sum(xq)
+#if defined(DI_AVXVNNI)
+      constexpr int32_t lift = 0;
+#else
+      constexpr int32_t lift = BITS == 8 ? 128 : 0;  // what the signed 8-bit products below leave out: 128 * sum(xq)
+#endif
+      // the integer sum starts at (c + lift) * sum(xq) for a folded offset, lift * sum(xq) otherwise
+      const int32_t start = (OFF == kFolded ? (int32_t)c : 0) + lift;
+      __m256i isum[MT];
       for (int m = 0; m < MT; ++m)
-        isum[m] = OFF == kFolded ? _mm256_set1_epi32((int32_t)c * group_xsum<G>(xs, m, K, g)) : _mm256_setzero_si256();
+        isum[m] = start != 0 ? _mm256_set1_epi32(start * group_xsum<G>(xs, m, K, g)) : _mm256_setzero_si256();
       if (BITS == 4 || BITS == 5) {
         const uint8_t* fifth = q + g * QB + 256 + 4 * half;  // + 16p: piece p's low nibbles' bits, + 8 the high's
 #if defined(DI_AVXVNNI)
@@ -100,8 +107,6 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
             isum[m] = _mm256_add_epi32(isum[m], widen16(_mm256_maddubs_epi16(wa, x)));
           }
         }
-        for (int m = 0; m < MT; ++m)
-          isum[m] = _mm256_add_epi32(isum[m], _mm256_set1_epi32(128 * group_xsum<G>(xs, m, K, g)));
 #endif
       }
       const __m256 sv = load8(s + g * 16 + 8 * half);
