@@ -63,7 +63,8 @@ class QuantWeight:
         if (split is not None and self.packed.nbytes >= split and ql.splittable(self.packed)
                 and hasattr(self.kernels, "split_head_argmax")):
             self.packed = ql.split(self.packed)
-        self.tiles = tiles and wl.available(self.kernels) and isinstance(self.packed, ql.PackedWeight)
+        self.tiles = tiles and wl.available(self.kernels) and isinstance(self.packed, ql.PackedWeight) \
+            and self.packed.fmt.table is None  # the AMX path dequantizes linear quants only
 
     @property
     def nbytes(self) -> int:

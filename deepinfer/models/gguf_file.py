@@ -5,6 +5,7 @@ string and so needs ~5 s (SmolLM2) to ~25 s (Gemma 3) just to open a file; dequa
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import re
 import struct
@@ -20,6 +21,8 @@ from tqdm.auto import tqdm
 
 from deepinfer.models.gguf_blocks import SUPPORTED, canonical
 from deepinfer.ops.quant_linear import Canonical
+
+logger = logging.getLogger("deepinfer")
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
@@ -295,6 +298,7 @@ def iter_gguf_weights(f: GGUFFile, dtype: torch.dtype, keep_quantized: bool = Fa
     arch = f.architecture
     buf = np.memmap(f.path, dtype=np.uint8, mode="r")
     show = len(f.tensors) >= 50
+    no_kernel: dict[str, int] = {}  # GGUF type -> 2-d tensors of it yielded as float32
     for info in tqdm(f.tensors, desc="Loading GGUF weights", disable=None if show else True, leave=False):
         name = hf_tensor_name(arch, info.name)
         rope_heads = None
@@ -306,6 +310,8 @@ def iter_gguf_weights(f: GGUFFile, dtype: torch.dtype, keep_quantized: bool = Fa
                 raw = np.ascontiguousarray(_unpermute_rope_rows(raw, rope_heads))
             yield name, GGUFQuantized(name, info.qtype, info.shape, raw)
             continue
+        if keep_quantized and len(info.shape) == 2:
+            no_kernel[info.qtype.name] = no_kernel.get(info.qtype.name, 0) + 1
         w = dequantize_tensor(buf, info)
         if rope_heads is not None:
             w = _unpermute_rope_rows(w, rope_heads)
@@ -313,6 +319,11 @@ def iter_gguf_weights(f: GGUFFile, dtype: torch.dtype, keep_quantized: bool = Fa
             # convert_hf_to_gguf stores Gemma's RMSNorm weight w as w + 1 (it scales by 1 + w).
             w = w - 1
         yield name, torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
+    if no_kernel:
+        logger.warning("GGUF matrices of types the quantized kernels do not read (%s) are dequantized, then rounded to "
+                       "int8 per 32 values by the quantized layers (except layers listed as dense): not the file's "
+                       "exact weights (--dtype float32 computes on them)",
+                       ", ".join(f"{t}: {n} tensors" for t, n in sorted(no_kernel.items())))
 
 
 def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -1,7 +1,8 @@
 """Linear layers on block-quantized weights for the CPU (csrc/quant_linear.cpp), and the packed layout they read.
 
 A weight in this layout is unsigned quants u with one scale (and, for affine formats, one offset) per group of G
-values along K: w = scale * u + offset, or scale * (u + c) for symmetric formats (offset = c * scale). Every GGUF
+values along K: w = scale * u + offset, or scale * (u + c) for symmetric formats (offset = c * scale). A table format
+(GGUF's IQ4_NL / IQ4_XS) stores 4-bit indexes into 16 unsigned 8-bit values: w = scale * (table[u] + c). Every GGUF
 type deepinfer computes on maps onto it without changing a value (models/gguf_blocks.py), and so do the int8 / int4
 formats that `--quantization` makes from float weights. The kernel rounds activations to int8 per 32 values, as
 llama.cpp does, and accumulates integer dot products per group; see the C++ source for the exact order.
@@ -27,12 +28,16 @@ class QuantFormat:
     scale_dtype: str  # "float16" (exact for GGUF's legacy types) or "float32" (K-types' products d * sub-scale)
     affine: bool  # offsets stored per group; else offset = c * scale
     c: int = 0  # symmetric formats: w = scale * (u + c)
+    table: tuple[int, ...] | None = None  # 4-bit indexes into these 16 values (0..255): w = scale * (table[u] + c)
 
     def __post_init__(self) -> None:
         if (self.bits, self.group) not in ((4, 32), (5, 32), (8, 32), (8, 16)):
             raise ValueError(f"unsupported quantized format: {self.bits}-bit quants in groups of {self.group}")
         if self.scale_dtype not in ("float16", "float32"):
             raise ValueError(f"scale_dtype must be float16 or float32, got {self.scale_dtype!r}")
+        if self.table is not None and (self.bits != 4 or self.affine or len(self.table) != 16
+                                       or not all(0 <= v <= 255 for v in self.table)):
+            raise ValueError("a table format has 4-bit symmetric quants indexing 16 values in 0..255")
 
     @property
     def bits_per_weight(self) -> float:
@@ -54,8 +59,20 @@ class Canonical:
         g = self.fmt.group
         s = np.repeat(self.scales.astype(np.float32), g, axis=1)
         if self.offsets is None:
-            return s * (self.u.astype(np.float32) + np.float32(self.fmt.c))
+            return s * (self.values().astype(np.float32) + np.float32(self.fmt.c))
         return s * self.u.astype(np.float32) + np.repeat(self.offsets.astype(np.float32), g, axis=1)
+
+    def values(self) -> np.ndarray:
+        """The unsigned 8-bit quants the dot products read: u, or table[u] for a table format."""
+        table = self.fmt.table
+        return self.u if table is None else np.asarray(table, dtype=np.uint8)[self.u]
+
+    def without_table(self) -> Canonical:
+        """The same weight as 8-bit quants (table[u]), for stacking with shards of other formats."""
+        if self.fmt.table is None:
+            return self
+        f = self.fmt
+        return Canonical(QuantFormat(8, f.group, f.scale_dtype, False, f.c), self.values(), self.scales, None)
 
 
 @dataclass(frozen=True)
@@ -65,7 +82,7 @@ class PackedWeight:
     k: int
     quants: torch.Tensor  # uint8 [n_pad / 16, k / group, record bytes]
     scales: torch.Tensor  # float16 / float32 [n_pad / 16, k / group, 16]
-    offsets: torch.Tensor  # same, or empty for symmetric formats
+    offsets: torch.Tensor  # same; empty for symmetric formats; a table format's 16 values (uint8)
 
     @property
     def nbytes(self) -> int:
@@ -86,6 +103,10 @@ def unify(parts: list[Canonical]) -> Canonical:
     smaller group, float32 scales if any part has them, and stored offsets unless every part shares one c."""
     if len(parts) == 1:
         return parts[0]
+    if len({p.fmt for p in parts}) == 1 and parts[0].fmt.table is not None:  # one table format: stacked as it is
+        return Canonical(parts[0].fmt, np.concatenate([p.u for p in parts]), np.concatenate([p.scales for p in parts]),
+                         None)
+    parts = [p.without_table() for p in parts]
     bits = max(p.fmt.bits for p in parts)
     group = min(p.fmt.group for p in parts)
     scale_dtype = "float32" if any(p.fmt.scale_dtype == "float32" for p in parts) else "float16"
@@ -137,7 +158,10 @@ def pack(w: Canonical) -> PackedWeight:
             raise ValueError(f"scales are not exact in {fmt.scale_dtype}")
         return torch.from_numpy(np.ascontiguousarray(exact.reshape(nb, ROWS_PER_BLOCK, ng).transpose(0, 2, 1)))
 
-    offsets = lanes(w.offsets) if w.offsets is not None else torch.empty(0, dtype=torch.float32)
+    if fmt.table is not None:
+        offsets = torch.tensor(fmt.table, dtype=torch.uint8)
+    else:
+        offsets = lanes(w.offsets) if w.offsets is not None else torch.empty(0, dtype=torch.float32)
     return PackedWeight(fmt, n, k, torch.from_numpy(quants), lanes(w.scales), offsets)
 
 

@@ -267,6 +267,25 @@ def test_dequantizes_every_supported_type(tmp_path) -> None:
         assert error <= QUANT_TOLERANCE.get(qtype, 0.0), (qtype.name, error)
 
 
+def test_matrices_without_a_kernel_are_named_when_kept_quantized(tmp_path, caplog) -> None:
+    rng = np.random.default_rng(1)
+    values = rng.uniform(-1, 1, size=(ROWS, COLS)).astype(np.float32)
+    tensors = {"blk.0.ffn_down.weight": (gguf.quants.quantize(values, QType.Q8_0), QType.Q8_0),
+               "blk.1.ffn_down.weight": (values.astype(np.float16), None),
+               "blk.2.ffn_down.weight": (values.astype(np.float16), None)}
+    path = tmp_path / "f16.gguf"
+    _write_gguf(path, "llama", _llama_metadata(3), tensors)
+    with caplog.at_level("WARNING", logger="deepinfer"):
+        kept = dict(iter_weights(load_model_files(str(path)), torch.float32, keep_quantized=True))
+    assert [type(kept[f"model.layers.{i}.mlp.down_proj.weight"]).__name__ for i in range(3)] == \
+        ["GGUFQuantized", "Tensor", "Tensor"]
+    assert "(F16: 2 tensors)" in caplog.text and "not the file's exact weights" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="deepinfer"):
+        list(iter_weights(load_model_files(str(path)), torch.float32))  # the dense path: exact, nothing to say
+    assert "F16" not in caplog.text
+
+
 def test_unknown_gguf_tensor_and_architecture_are_named(tmp_path) -> None:
     path = tmp_path / "odd.gguf"
     _write_gguf(path, "llama", _llama_metadata(1), {"blk.0.mystery.weight": (np.zeros((2, 32), np.float32), None)})

@@ -7,7 +7,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from deepinfer import SamplingParams
-from deepinfer.models.gguf_blocks import SUPPORTED, canonical
+from deepinfer.models.gguf_blocks import BLOCK_VALUES, SUPPORTED, canonical
 from deepinfer.ops import quant_linear as ql
 from tests.ops.test_quant_linear import random_blocks
 
@@ -23,7 +23,7 @@ def packed_weight(qtype: QType, n: int, k: int, seed: int, repeat: int = 0) -> q
 
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
 def test_fused_argmax_is_the_argmax_of_the_outputs(kernels, qtype):
-    k = 256 if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else 64
+    k = max(BLOCK_VALUES[qtype], 64)
     gen = torch.Generator().manual_seed(1)
     threads = torch.get_num_threads()
     try:

@@ -11,15 +11,18 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from deepinfer.models.gguf_blocks import SUPPORTED, canonical
+from deepinfer.models.gguf_blocks import BLOCK_VALUES, SUPPORTED, canonical
 from deepinfer.ops import cpu_ops
 from deepinfer.ops import quant_linear as ql
 
 REL = 2e-6  # |kernel - reference| / sum_k |w_k x_k| for one output (float32 rounding over K / G groups)
 SCALE_FIELDS = {  # byte offsets of fp16 scale fields inside a block
     QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q5_0: (0,), QType.Q5_1: (0, 2), QType.Q8_0: (0,),
-    QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,),
+    QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,), QType.Q2_K: (80, 82), QType.Q3_K: (108,),
+    QType.IQ4_NL: (0,), QType.IQ4_XS: (0,),
 }
+BIT_EXACT = {QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0, QType.Q2_K, QType.Q3_K, QType.IQ4_NL,
+             QType.IQ4_XS}  # decoded to the same float32 as gguf's own numpy code (the others within 1e-6)
 
 
 def random_blocks(qtype: QType, n: int, k: int, seed: int) -> np.ndarray:
@@ -54,20 +57,20 @@ def check_close(got: torch.Tensor, x: torch.Tensor, w: np.ndarray) -> None:
 
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
 def test_blocks_decode_to_the_formats_values(qtype):
-    per = 256 if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else 32
+    per = BLOCK_VALUES[qtype]
     n, k = 24, 2 * per
     raw = random_blocks(qtype, n, k, seed=1)
     want = gguf_dequantize(qtype, raw, n, k)
     got = canonical(qtype, raw, (n, k)).dequantize()
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
-    if per == 32:  # legacy types: fp16 scales used as they are, the same bits as gguf's own dequantization
+    if qtype in BIT_EXACT:
         assert np.array_equal(got, want)
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
 @pytest.mark.parametrize("n", [16, 40])  # 40: the last 16-row block is padded
 def test_kernel_matches_reference(kernels, qtype, n):
-    per = 256 if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K) else 32
+    per = BLOCK_VALUES[qtype]
     k = per * (2 if per == 256 else 3)
     raw = random_blocks(qtype, n, k, seed=n)
     packed = ql.pack(canonical(qtype, raw, (n, k)))
@@ -96,7 +99,8 @@ def test_five_bit_quants_keep_their_size():
     assert packed.fmt.bits == 5 and packed.nbytes == raw.size
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q5_0, QType.Q8_0, QType.Q6_K, QType.Q2_K, QType.Q3_K,
+                                   QType.IQ4_XS], ids=lambda t: t.name)
 def test_a_row_alone_equals_the_row_in_any_batch_and_thread_count(kernels, qtype):
     n, k = 48, 512
     packed = ql.pack(canonical(qtype, random_blocks(qtype, n, k, seed=7), (n, k)))
@@ -126,6 +130,22 @@ def test_fused_shards_of_different_formats_compute_as_separate_layers(kernels):
     assert whole.fmt == ql.QuantFormat(8, 16, "float32", True)
     np.testing.assert_allclose(whole.dequantize(), w, rtol=1e-6, atol=0)
     check_close(ql.linear(kernels, x, ql.pack(whole)), x, w)
+
+
+@pytest.mark.parametrize("others", [[QType.IQ4_NL, QType.IQ4_NL], [QType.IQ4_NL, QType.Q8_0, QType.IQ4_XS]],
+                         ids=["same-table", "table-and-not"])
+def test_fused_shards_with_a_table_format(kernels, others):
+    """IQ4 shards alone stay 4-bit indexes into the table; beside other formats they widen to their 8-bit values."""
+    k = 256
+    raws = [random_blocks(t, 16, k, seed=10 + i) for i, t in enumerate(others)]
+    whole = ql.unify([canonical(t, r, (16, k)) for t, r in zip(others, raws)])
+    assert (whole.fmt.table is not None) == (set(others) == {QType.IQ4_NL})
+    w = np.concatenate([gguf_dequantize(t, r, 16, k) for t, r in zip(others, raws)])
+    assert np.array_equal(whole.dequantize(), w)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(2))
+    check_close(ql.linear(kernels, x, ql.pack(whole)), x, w)
+    ids = torch.tensor([0, 5, 17, len(w) - 1])
+    assert np.array_equal(ql.rows(kernels, ids, ql.pack(whole)).numpy(), w[ids.numpy()])
 
 
 @pytest.mark.parametrize("quantize,bound", [(ql.quantize_int8, 0.01), (ql.quantize_int4, 0.12)])
@@ -170,7 +190,8 @@ def test_every_instruction_set_build_gives_the_native_bits(kernels, isa):
         assert other.isa() == isa
     # K / 32 activation blocks of 3, 2, 8, 12, 18 (16 + 2) and 16: every lane count of the rounding's 16-block steps
     for qtype, k in ((QType.Q4_1, 96), (QType.Q8_0, 64), (QType.Q6_K, 256), (QType.Q4_K, 256), (QType.Q4_1, 384),
-                     (QType.Q8_0, 576), (QType.Q4_K, 512), (QType.Q5_0, 96), (QType.Q5_K, 256)):
+                     (QType.Q8_0, 576), (QType.Q4_K, 512), (QType.Q5_0, 96), (QType.Q5_K, 256), (QType.Q2_K, 256),
+                     (QType.Q3_K, 512), (QType.IQ4_NL, 96), (QType.IQ4_XS, 256)):
         packed = ql.pack(canonical(qtype, random_blocks(qtype, 40, k, seed=5), (40, k)))
         x = torch.randn(20, k, generator=torch.Generator().manual_seed(6))  # 20: 5-bit blocks widened at 16+ rows
         x[1, 32:64] = 0.0  # a block whose d is 0

@@ -187,6 +187,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor quants, torch::Tensor sc
   const int64_t M = x.size(0), K = x.size(1);
   const QuantView w = quant_view(quants, scales, offsets, bits, group, c, K);
   TORCH_CHECK(n > 0 && n <= w.nb * 16 && n > (w.nb - 1) * 16, "n=", n, " does not fit ", w.nb, " blocks of 16");
+  TORCH_CHECK(w.table == nullptr, "amx_linear: table formats (IQ4) stay on the int8 kernel");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == n && bias->is_contiguous(),

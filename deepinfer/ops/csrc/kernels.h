@@ -16,6 +16,7 @@ struct QuantView {
   float c;
   int64_t bits, group, nb, k;  // nb: blocks of 16 output rows
   bool half, affine;
+  const uint8_t* table = nullptr;  // a table format's 16 values: 4-bit quants index them (IQ4_NL, IQ4_XS)
 };
 QuantView quant_view(const torch::Tensor& quants, const torch::Tensor& scales, const torch::Tensor& offsets,
                      int64_t bits, int64_t group, double c, int64_t k);

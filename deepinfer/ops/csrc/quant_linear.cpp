@@ -8,13 +8,14 @@
 //           (G = 32) are their low 4 bits as 4-bit quants (256 bytes), then 8 bytes of fifth bits per register
 //           of nibbles: for piece p, bit i of bytes 256+16p.. is byte i's low nibble's, of 256+16p+8.. its high's.
 //   scales  [N/16][K/G][16], fp16 or fp32; offsets the same (affine formats), or offset = c * scale (symmetric).
-//   A weight is w = scale * u + offset with u the unsigned quant (0..15, 0..31 or 0..255).
+//   A weight is w = scale * u + offset with u the unsigned quant (0..15, 0..31 or 0..255). A table format (4-bit,
+//   symmetric: GGUF's IQ4_NL / IQ4_XS) passes 16 bytes T as its offsets; its nibbles index them: u = T[nibble].
 // Activations x [M, K] float32 -> xq int8 (round-to-nearest-even of x / d, d = max|x| / 127 per 32 values),
 // xd [M, K/32] the d's, xs [M, K/16] sums of xq per 16 values, xt [M, 3K/32] the offset terms' factors
 // d * float(xsum) per 16 values then per 32 (once per row, not once per block of outputs). Then per output (m, n),
 // over groups g in order, isum = sum u * xq (exact, int32):
 //   stored offsets (affine formats):  acc += float(isum) * (scale * d) ; acc += offset * (d * float(xsum))
-//   symmetric, integer c (Q8_0, Q4_0, Q5_0, Q6_K, int8, int4):  acc += float(isum + c * xsum) * (scale * d)
+//   symmetric, integer c (Q8_0, Q4_0, Q5_0, Q6_K, Q3_K, IQ4, int8):  acc += float(isum + c * xsum) * (scale * d)
 //   symmetric, other c (the split head's first pass):  the first form with offset = c * scale
 // Folding an integer c into the integer sum is exact, drops one FMA per row and group and the cancellation between
 // the two large terms (u x and c x, c = -128 for Q8_0).
@@ -54,8 +55,9 @@ constexpr int kMaxTile = 1;
 #endif
 
 // How a group's offset enters (the arithmetic at the top): stored per group, folded into the integer sum (a
-// symmetric format's integer c), or c * scale as a float (a symmetric c that is not an integer).
-enum Offsets { kStored, kFolded, kScaled };
+// symmetric format's integer c), or c * scale as a float (a symmetric c that is not an integer). kTable: folded, and
+// the 4-bit quants index the table passed as the offsets pointer.
+enum Offsets { kStored, kFolded, kScaled, kTable };
 
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
@@ -239,7 +241,7 @@ void block_rows(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, 
   for (int64_t b = begin; b < end; ++b) {
     const uint8_t* qr = q + b * ng * qb;
     const ST* sr = s + b * ng * 16;
-    const ST* orr = OFF == kStored ? o + b * ng * 16 : nullptr;
+    const ST* orr = OFF == kStored ? o + b * ng * 16 : OFF == kTable ? o : nullptr;
     float* ob = out + 16 * (b - col0);
 #if defined(DI_AVX512)
     if constexpr (BITS == 5 && G == 32) {
@@ -279,10 +281,15 @@ void blocks_of(const QuantView& w, const int8_t* xq, const float* xd, const int3
                float* out, int64_t ldo, int64_t begin, int64_t end, int64_t col0) {
   const auto* s = static_cast<const ST*>(w.scales);
   const auto* o = static_cast<const ST*>(w.offsets);
-  if (w.bits == 4 && w.group == 32) return blocks<4, 32, ST, OFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
-  if (w.bits == 5 && w.group == 32) return blocks<5, 32, ST, OFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
-  if (w.bits == 8 && w.group == 32) return blocks<8, 32, ST, OFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
-  if (w.bits == 8 && w.group == 16) return blocks<8, 16, ST, OFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+  if constexpr (OFF == kTable) {  // the table reaches the tiles in the offsets' place
+    blocks<4, 32, ST, kTable>(w.quants, s, reinterpret_cast<const ST*>(w.table), w.c, w.k, xq, xd, xs, xt, M, out,
+                              ldo, begin, end, col0);
+  } else {
+    if (w.bits == 4 && w.group == 32) return blocks<4, 32, ST, OFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+    if (w.bits == 5 && w.group == 32) return blocks<5, 32, ST, OFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+    if (w.bits == 8 && w.group == 32) return blocks<8, 32, ST, OFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+    if (w.bits == 8 && w.group == 16) return blocks<8, 16, ST, OFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+  }
 }
 
 }  // namespace
@@ -296,9 +303,11 @@ QuantView quant_view(const torch::Tensor& quants, const torch::Tensor& scales, c
   TORCH_CHECK(quants.numel() == nb * (k / group) * 16 * group * bits / 8, "quant_linear: quants do not match K=", k);
   const bool half = scales.scalar_type() == torch::kHalf;
   TORCH_CHECK(half || scales.scalar_type() == torch::kFloat, "quant_linear: scales must be float16 or float32");
-  const bool aff = offsets.numel() > 0;
+  const bool table = offsets.scalar_type() == torch::kByte, aff = !table && offsets.numel() > 0;
+  TORCH_CHECK(!table || (offsets.numel() == 16 && bits == 4 && group == 32 && c == std::nearbyint(c)),
+              "quant_linear: a table format has 16 values, 4-bit quants in groups of 32 and an integer c");
   return QuantView{quants.data_ptr<uint8_t>(), scales.data_ptr(), aff ? offsets.data_ptr() : nullptr, (float)c,
-                   bits, group, nb, k, half, aff};
+                   bits, group, nb, k, half, aff, table ? offsets.data_ptr<uint8_t>() : nullptr};
 }
 
 void quant_blocks(const QuantView& w, const int8_t* xq, const float* xd, const int32_t* xs, const float* xt,
@@ -312,6 +321,7 @@ void quant_blocks(const QuantView& w, const int8_t* xq, const float* xd, const i
   auto run = [&](auto st) {
     using ST = decltype(st);
     if (w.affine) blocks_of<ST, kStored>(w, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+    else if (w.table) blocks_of<ST, kTable>(w, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
     else blocks_of<ST, kFolded>(w, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
   };
   if (w.half) run(uint16_t{});
@@ -362,7 +372,9 @@ torch::Tensor quant_rows(torch::Tensor ids, torch::Tensor quants, torch::Tensor 
   ids = ids.contiguous().to(torch::kLong);
   const int64_t T = ids.numel(), ng = k / group, qb = 16 * group * bits / 8;
   auto out = torch::empty({T, k}, torch::kFloat);
-  const bool aff = offsets.numel() > 0, half = scales.scalar_type() == torch::kHalf;
+  const bool table = offsets.scalar_type() == torch::kByte, half = scales.scalar_type() == torch::kHalf;
+  const bool aff = !table && offsets.numel() > 0;
+  const uint8_t* tv = table ? offsets.data_ptr<uint8_t>() : nullptr;
   const auto* id = ids.data_ptr<int64_t>();
   const auto* q = quants.data_ptr<uint8_t>();
   const int64_t rows = quants.size(0) * 16;
@@ -380,7 +392,8 @@ torch::Tensor quant_rows(torch::Tensor ids, torch::Tensor quants, torch::Tensor 
         const float o = !aff ? 0.f : half ? half_to_float(reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::Half>())[si])
                                           : offsets.data_ptr<float>()[si];
         for (int i = 0; i < group; ++i) {
-          const int u = bits == 4 ? quant_at<4>(rec, j, i) : bits == 5 ? quant_at<5>(rec, j, i) : quant_at<8>(rec, j, i);
+          int u = bits == 4 ? quant_at<4>(rec, j, i) : bits == 5 ? quant_at<5>(rec, j, i) : quant_at<8>(rec, j, i);
+          if (tv) u = tv[u];
           dst[g * group + i] = aff ? s * (float)u + o : s * (float)(u + (int)c);
         }
       }

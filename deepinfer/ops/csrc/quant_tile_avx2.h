@@ -28,11 +28,26 @@ inline __m256i fifth_bits(const uint8_t* p) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(16));
 }
 
+// Piece p of 8 lanes of a 4- or 5-bit group record as the bytes of the 8-bit layout's pieces 2p (lo) and 2p + 1 (hi):
+// the nibbles, + 16 where a 5-bit record's fifth bit is set (fifth: the lanes' bits after the nibbles).
+template <int BITS>
+inline void piece_quants8(const uint8_t* rec, const uint8_t* fifth, int p, __m256i& lo, __m256i& hi) {
+  const __m256i low = _mm256_set1_epi8(0x0F), w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p));
+  lo = _mm256_and_si256(w, low);
+  hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+  if (BITS == 5) {
+    lo = _mm256_or_si256(lo, fifth_bits(fifth + 16 * p));
+    hi = _mm256_or_si256(hi, fifth_bits(fifth + 16 * p + 8));
+  }
+}
+
 template <int MT, int BITS, int G, typename ST, int OFF>
 void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
           const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
   constexpr int QB = 16 * G * BITS / 8;
-  const __m256i low = _mm256_set1_epi8(0x0F);
+  constexpr bool folded = OFF == kFolded || OFF == kTable;
+  __m256i table = _mm256_setzero_si256();  // kTable: the 16 values in each 128-bit lane, for vpshufb
+  if constexpr (OFF == kTable) table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
   for (int half = 0; half < 2; ++half) {  // lanes 0-7, then 8-15
     __m256 acc[MT];
     for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
@@ -43,10 +58,11 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
 #if defined(DI_AVXVNNI)
       constexpr int32_t lift = 0;
 #else
-      constexpr int32_t lift = BITS == 8 ? 128 : 0;  // what the signed 8-bit products below leave out: 128 * sum(xq)
+      // what the signed 8-bit products below leave out (table values are 8-bit quants too): 128 * sum(xq)
+      constexpr int32_t lift = BITS == 8 || OFF == kTable ? 128 : 0;
 #endif
       // the integer sum starts at (c + lift) * sum(xq) for a folded offset, lift * sum(xq) otherwise
-      const int32_t start = (OFF == kFolded ? (int32_t)c : 0) + lift;
+      const int32_t start = (folded ? (int32_t)c : 0) + lift;
       __m256i isum[MT];
       for (int m = 0; m < MT; ++m)
         isum[m] = start != 0 ? _mm256_set1_epi32(start * group_xsum<G>(xs, m, K, g)) : _mm256_setzero_si256();
@@ -54,12 +70,11 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
         const uint8_t* fifth = q + g * QB + 256 + 4 * half;  // + 16p: piece p's low nibbles' bits, + 8 the high's
 #if defined(DI_AVXVNNI)
         for (int p = 0; p < G / 8; ++p) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p));
-          __m256i wl = _mm256_and_si256(w, low);
-          __m256i wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
-          if (BITS == 5) {
-            wl = _mm256_or_si256(wl, fifth_bits(fifth + 16 * p));
-            wh = _mm256_or_si256(wh, fifth_bits(fifth + 16 * p + 8));
+          __m256i wl, wh;
+          piece_quants8<BITS>(rec, fifth, p, wl, wh);
+          if constexpr (OFF == kTable) {  // nibble -> its table value
+            wl = _mm256_shuffle_epi8(table, wl);
+            wh = _mm256_shuffle_epi8(table, wh);
           }
           for (int m = 0; m < MT; ++m) {
             const int8_t* x = xq + m * K + k0 + 8 * p;
@@ -68,26 +83,37 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
           }
         }
 #else
-        constexpr int PW = BITS == 4 ? 4 : 2;  // pieces summed in int16 before widening (see above)
-        for (int p0 = 0; p0 < G / 8; p0 += PW) {
-          __m256i s16[MT];
-          for (int m = 0; m < MT; ++m) s16[m] = _mm256_setzero_si256();
-          for (int p = p0; p < std::min(p0 + PW, G / 8); ++p) {
-            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p));
-            __m256i wl = _mm256_and_si256(w, low);
-            __m256i wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
-            if (BITS == 5) {
-              wl = _mm256_or_si256(wl, fifth_bits(fifth + 16 * p));
-              wh = _mm256_or_si256(wh, fifth_bits(fifth + 16 * p + 8));
-            }
-            for (int m = 0; m < MT; ++m) {
-              const int8_t* x = xq + m * K + k0 + 8 * p;
-              s16[m] = _mm256_add_epi16(s16[m], _mm256_add_epi16(
-                  _mm256_maddubs_epi16(wl, _mm256_set1_epi32(load_i32(x))),
-                  _mm256_maddubs_epi16(wh, _mm256_set1_epi32(load_i32(x + 4)))));
+        if constexpr (OFF == kTable) {  // table values are 8-bit quants: the signed products of the 8-bit path
+          const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+          for (int p = 0; p < G / 8; ++p) {
+            __m256i nibs[2];  // the low nibbles (k = 8p..8p+3), then the high (8p+4..8p+7)
+            piece_quants8<BITS>(rec, fifth, p, nibs[0], nibs[1]);
+            for (int h = 0; h < 2; ++h) {
+              const __m256i ws = _mm256_xor_si256(_mm256_shuffle_epi8(table, nibs[h]), flip);
+              const __m256i wa = _mm256_abs_epi8(ws);
+              for (int m = 0; m < MT; ++m) {
+                const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xq + m * K + k0 + 8 * p + 4 * h)), ws);
+                isum[m] = _mm256_add_epi32(isum[m], widen16(_mm256_maddubs_epi16(wa, x)));
+              }
             }
           }
-          for (int m = 0; m < MT; ++m) isum[m] = _mm256_add_epi32(isum[m], widen16(s16[m]));
+        } else {
+          constexpr int PW = BITS == 4 ? 4 : 2;  // pieces summed in int16 before widening (see above)
+          for (int p0 = 0; p0 < G / 8; p0 += PW) {
+            __m256i s16[MT];
+            for (int m = 0; m < MT; ++m) s16[m] = _mm256_setzero_si256();
+            for (int p = p0; p < std::min(p0 + PW, G / 8); ++p) {
+              __m256i wl, wh;
+              piece_quants8<BITS>(rec, fifth, p, wl, wh);
+              for (int m = 0; m < MT; ++m) {
+                const int8_t* x = xq + m * K + k0 + 8 * p;
+                s16[m] = _mm256_add_epi16(s16[m], _mm256_add_epi16(
+                    _mm256_maddubs_epi16(wl, _mm256_set1_epi32(load_i32(x))),
+                    _mm256_maddubs_epi16(wh, _mm256_set1_epi32(load_i32(x + 4)))));
+              }
+            }
+            for (int m = 0; m < MT; ++m) isum[m] = _mm256_add_epi32(isum[m], widen16(s16[m]));
+          }
         }
 #endif
       } else {
@@ -114,7 +140,7 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
       for (int m = 0; m < MT; ++m) {
         const float d = xd[m * (K / 32) + k0 / 32];
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(sv, _mm256_set1_ps(d)), acc[m]);
-        if (OFF != kFolded) acc[m] = _mm256_fmadd_ps(ov, _mm256_set1_ps(*group_term<G>(xt, m, K, g)), acc[m]);
+        if (!folded) acc[m] = _mm256_fmadd_ps(ov, _mm256_set1_ps(*group_term<G>(xt, m, K, g)), acc[m]);
       }
     }
     for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo + 8 * half, acc[m]);

@@ -40,6 +40,9 @@ template <int MT, int BITS, int G, typename ST, int OFF>
 void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
           const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
   constexpr int QB = 16 * G * BITS / 8;
+  constexpr bool folded = OFF == kFolded || OFF == kTable;
+  __m512i table = _mm512_setzero_si512();  // kTable: the 16 values in each 128-bit lane, for vpshufb
+  if constexpr (OFF == kTable) table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
@@ -48,11 +51,15 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
     prefetch_ahead<QB>(rec, s + g * 16, OFF == kStored ? o + g * 16 : nullptr);
     __m512i isum[MT];  // a folded offset starts the integer sum at c * sum(xq)
     for (int m = 0; m < MT; ++m)
-      isum[m] = OFF == kFolded ? _mm512_set1_epi32((int32_t)c * group_xsum<G>(xs, m, K, g)) : _mm512_setzero_si512();
+      isum[m] = folded ? _mm512_set1_epi32((int32_t)c * group_xsum<G>(xs, m, K, g)) : _mm512_setzero_si512();
     if (BITS == 4 || BITS == 5) {
       for (int p = 0; p < G / 8; ++p) {
         __m512i wl, wh;
         piece_quants<BITS>(rec, p, wl, wh);
+        if constexpr (OFF == kTable) {  // nibble -> its table value
+          wl = _mm512_shuffle_epi8(table, wl);
+          wh = _mm512_shuffle_epi8(table, wh);
+        }
         for (int m = 0; m < MT; ++m) {
           const int8_t* x = xq + m * K + k0 + 8 * p;
           isum[m] = dot_bcast(isum[m], wl, x);
@@ -71,7 +78,7 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
     for (int m = 0; m < MT; ++m) {
       const __m512 d = _mm512_set1_ps(xd[m * (K / 32) + k0 / 32]);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(sv, d), acc[m]);
-      if (OFF != kFolded) acc[m] = _mm512_fmadd_ps(ov, _mm512_set1_ps(*group_term<G>(xt, m, K, g)), acc[m]);
+      if (!folded) acc[m] = _mm512_fmadd_ps(ov, _mm512_set1_ps(*group_term<G>(xt, m, K, g)), acc[m]);
     }
   }
   for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);

@@ -10,12 +10,16 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
       float acc = 0.f;
       for (int64_t g = 0; g < ng; ++g) {
         const uint8_t* rec = q + g * QB;
-        int32_t isum = OFF == kFolded ? (int32_t)c * group_xsum<G>(xs, m, K, g) : 0;
-        for (int i = 0; i < G; ++i) isum += quant_at<BITS>(rec, j, i) * (int32_t)xq[m * K + g * G + i];
+        int32_t isum = OFF == kFolded || OFF == kTable ? (int32_t)c * group_xsum<G>(xs, m, K, g) : 0;
+        for (int i = 0; i < G; ++i) {
+          const int u = OFF == kTable ? reinterpret_cast<const uint8_t*>(o)[quant_at<BITS>(rec, j, i)]
+                                      : quant_at<BITS>(rec, j, i);
+          isum += u * (int32_t)xq[m * K + g * G + i];
+        }
         const float sv = scalar_of(s, (int)(g * 16 + j));
         const float d = xd[m * (K / 32) + g * G / 32];
         acc = std::fma((float)isum, sv * d, acc);
-        if (OFF != kFolded) {
+        if (OFF != kFolded && OFF != kTable) {
           const float ov = OFF == kStored ? scalar_of(o, (int)(g * 16 + j)) : sv * c;
           acc = std::fma(ov, *group_term<G>(xt, m, K, g), acc);
         }
