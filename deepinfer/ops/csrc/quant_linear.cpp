@@ -370,31 +370,27 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor quants, torch::Tensor 
 torch::Tensor quant_rows(torch::Tensor ids, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
                          int64_t bits, int64_t group, double c, int64_t k) {
   ids = ids.contiguous().to(torch::kLong);
+  const QuantView w = quant_view(quants, scales, offsets, bits, group, c, k);
   const int64_t T = ids.numel(), ng = k / group, qb = 16 * group * bits / 8;
   auto out = torch::empty({T, k}, torch::kFloat);
-  const bool table = offsets.scalar_type() == torch::kByte, half = scales.scalar_type() == torch::kHalf;
-  const bool aff = !table && offsets.numel() > 0;
-  const uint8_t* tv = table ? offsets.data_ptr<uint8_t>() : nullptr;
   const auto* id = ids.data_ptr<int64_t>();
-  const auto* q = quants.data_ptr<uint8_t>();
-  const int64_t rows = quants.size(0) * 16;
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < rows, "quant_rows: id ", id[t], " out of range");
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < w.nb * 16, "quant_rows: id ", id[t], " out of range");
+  auto lane = [&](const void* p, int64_t i) {  // one scale or offset
+    return w.half ? half_to_float(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+  };
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = id[t] / 16;
       const int j = (int)(id[t] % 16);
       float* dst = out.data_ptr<float>() + t * k;
       for (int64_t g = 0; g < ng; ++g) {
-        const uint8_t* rec = q + (b * ng + g) * qb;
+        const uint8_t* rec = w.quants + (b * ng + g) * qb;
         const int64_t si = (b * ng + g) * 16 + j;
-        const float s = half ? half_to_float(reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>())[si])
-                             : scales.data_ptr<float>()[si];
-        const float o = !aff ? 0.f : half ? half_to_float(reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::Half>())[si])
-                                          : offsets.data_ptr<float>()[si];
+        const float s = lane(w.scales, si), o = w.affine ? lane(w.offsets, si) : 0.f;
         for (int i = 0; i < group; ++i) {
           int u = bits == 4 ? quant_at<4>(rec, j, i) : bits == 5 ? quant_at<5>(rec, j, i) : quant_at<8>(rec, j, i);
-          if (tv) u = tv[u];
-          dst[g * group + i] = aff ? s * (float)u + o : s * (float)(u + (int)c);
+          if (w.table) u = w.table[u];
+          dst[g * group + i] = w.affine ? s * (float)u + o : s * (float)(u + (int)c);
         }
       }
     }
