@@ -29,6 +29,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap scheduling: plan the next step and process outputs while a step computes "
                         "(default: off; it measured slower on the CPU and on CUDA)")
+    g.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps a plain greedy decode runs per engine step, without the engine's work "
+                        "between them (default 1)")
     g.add_argument("--batch-invariant", action="store_true", default=None, help="same as DEEPINFER_BATCH_INVARIANT=1")
     g.add_argument("--num-threads", type=int, default=None)
     sp = parser.add_argument_group("speculative decoding")
@@ -98,6 +101,7 @@ def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         enable_chunked_prefill=not args.no_chunked_prefill,
         async_scheduling=args.async_scheduling,
+        num_scheduler_steps=args.num_scheduler_steps,
         batch_invariant=args.batch_invariant,
         num_threads=args.num_threads,
         kv_store=",".join(args.kv_store),

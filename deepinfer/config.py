@@ -138,8 +138,15 @@ class SchedulerConfig:
     # sequences that may wait at once; the server answers 503 + Retry-After past it. None: derived from the KV
     # capacity (engine/client.default_max_waiting). The offline LLM never refuses work.
     max_waiting_requests: int | None = None
+    # decode steps a plain greedy decode runs in one engine step (vLLM's --num-scheduler-steps): the extra steps
+    # go straight from the head's argmax to the next forward, without the engine's scheduling and output work
+    # in between (worker/multi_step.py). Tokens are the same; outputs and new arrivals wait for the whole run.
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.num_scheduler_steps, bool) or not isinstance(self.num_scheduler_steps, int) \
+                or self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {self.num_scheduler_steps!r}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.max_num_batched_tokens < 1:

@@ -61,6 +61,9 @@ class StepPlan:
     # speculative decoding: draft tokens appended after a request's last known token this step (counted in
     # num_tokens); the worker verifies them and samples one more
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # multi-step decoding: plain decodes that may run this many more decode steps after this one (their KV slots
+    # are allocated); the worker returns each step's token, or only the first where it cannot run them
+    multi_steps: dict[str, int] = field(default_factory=dict)
     finished_ids: list[str] = field(default_factory=list)  # the worker drops their state
     preempted_ids: list[str] = field(default_factory=list)
     # structured output: allowed-token masks (bool [V]) for constrained requests that sample this step,
@@ -89,6 +92,7 @@ class StepPlan:
             num_tokens={r: n for r, n in self.num_tokens.items() if r not in drop},
             sample_ids=[r for r in self.sample_ids if r not in drop],
             spec_token_ids={r: v for r, v in self.spec_token_ids.items() if r not in drop},
+            multi_steps={r: v for r, v in self.multi_steps.items() if r not in drop},
             kv_loads={r: v for r, v in self.kv_loads.items() if r not in drop},
             kv_saves={r: v for r, v in self.kv_saves.items() if r not in drop},
         )

@@ -33,7 +33,7 @@ class Scheduler(KVArrivals):
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  connector: KVStoreConnector | None = None, draft_lookahead: int = 0,
-                 async_loads: bool = False, remote_kv: bool = False) -> None:
+                 async_loads: bool = False, remote_kv: bool = False, multi_steps: int = 0) -> None:
         self.config = config
         # store lookups, loads and remote pulls off the step (core/kv_loading.py); False: loads inside the step
         if remote_kv and not async_loads:
@@ -43,6 +43,9 @@ class Scheduler(KVArrivals):
         self.held: dict[str, Request] = {}  # finished with hold_kv: blocks kept until release_held
         # slots a sampling request holds beyond this step's tokens: where MTP writes its deeper drafts' KV
         self.draft_lookahead = draft_lookahead
+        # decode steps a request that decodes alone this step (one token, no drafts) may run after it, its KV slots
+        # allocated with this step's (worker/multi_step.py); 0: one step at a time
+        self.multi_steps = multi_steps
         self.kv = kv
         self.connector = connector
         self.max_model_len = max_model_len
@@ -119,9 +122,9 @@ class Scheduler(KVArrivals):
                 continue
             n = min(request.num_planned_tokens - request.num_computed_tokens, budget)
             drafts = self._drafts_to_verify(request, n, budget)
-            ahead = self._lookahead(request, n + len(drafts))
+            ahead = self._lookahead(request, n + len(drafts)) or self._more_steps(request, n, drafts)
             while not self.kv.can_allocate(request, n + len(drafts) + ahead):
-                if drafts or ahead:  # drop the drafts before preempting anyone
+                if drafts or ahead:  # drop the drafts (and extra steps) before preempting anyone
                     drafts, ahead = [], 0
                     continue
                 victim = self.running.pop()
@@ -136,6 +139,8 @@ class Scheduler(KVArrivals):
                 )
                 if drafts:
                     plan.spec_token_ids[request.request_id] = drafts
+                if ahead and self.multi_steps:
+                    plan.multi_steps[request.request_id] = ahead
                 self._plan_tokens(plan, request, n, len(drafts))
                 budget -= n + len(drafts)
                 i += 1
@@ -241,6 +246,16 @@ class Scheduler(KVArrivals):
             return 0
         return max(0, min(self.draft_lookahead, self.max_model_len - request.num_computed_tokens - num_tokens))
 
+    def _more_steps(self, request: Request, n: int, drafts: list[int]) -> int:
+        """Extra decode steps for a request that decodes this step (its one last token, no drafts): as many as it
+        may still emit after this step's token, up to multi_steps."""
+        if not self.multi_steps or n != 1 or drafts or request.num_computed_tokens + 1 != request.num_tokens:
+            return 0
+        room = self.max_model_len - request.num_tokens - 1
+        if request.params.max_tokens is not None:
+            room = min(room, request.params.max_tokens - len(request.output_token_ids) - 1)
+        return max(0, min(self.multi_steps, room))
+
     def _plan_tokens(self, plan: StepPlan, request: Request, n: int, num_drafts: int = 0) -> None:
         """n known tokens (and num_drafts drafts after them) computed this step; only known tokens are saved."""
         plan.num_tokens[request.request_id] = n + num_drafts
@@ -297,6 +312,8 @@ class Scheduler(KVArrivals):
             if request_id in result.kv_load_failures:
                 continue  # left out of the forward; the rest is computed from the next step on
             sampled = result.sampled.get(request_id, ())
+            if request_id in plan.multi_steps:  # each extra step's input was the token the one before sampled
+                n += max(len(sampled) - 1, 0)
             drafted = len(plan.spec_token_ids.get(request_id, ()))
             if drafted:  # the KV of rejected drafts is overwritten when those positions are computed again
                 accepted = max(len(sampled) - 1, 0)

@@ -19,7 +19,7 @@ from deepinfer.engine.handoff import EngineHandoff, KVTransferParams
 from deepinfer.engine.io import RequestState, new_sequence, record_step_metrics
 from deepinfer.kvstore.connector import KVStoreConnector, model_identity
 from deepinfer.engine.structured import StructuredOutputs
-from deepinfer.engine.overlap import StepPipeline, overlap_blockers
+from deepinfer.engine.overlap import StepPipeline, extra_decode_steps, overlap_blockers
 from deepinfer.engine.stats import EngineStats, ReplicaStatus
 from deepinfer.engine.sizing import default_kv_cache_memory, max_tokens_fitting, mix_seed
 from deepinfer.engine.timing import StepTimes
@@ -88,7 +88,8 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv, max_len, self.kv_store,
                                    draft_lookahead=spec.num_speculative_tokens - 1 if spec.speculative_method == "mtp"
                                    else 0, async_loads=config.scheduler.async_kv_loads,
-                                   remote_kv=config.disagg.role == "decode")
+                                   remote_kv=config.disagg.role == "decode",
+                                   multi_steps=extra_decode_steps(config, self._pipeline is not None))
         on_compute_thread(self.executor.initialize_cache, num_blocks, layout, self.kv_store)
         self.handoff = EngineHandoff(config.disagg, self.scheduler, self.kv, self.kv_store, self.executor, num_blocks,
                                      per_block, int(files.hf_config["vocab_size"]))  # prefill and decode roles

@@ -17,6 +17,7 @@ token), a KV store (a save names its block by the tokens in it), prefill/decode 
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +30,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.core.plan import StepPlan, StepResult
 
 T = TypeVar("T")
+logger = logging.getLogger("deepinfer")
 
 
 @dataclass
@@ -57,6 +59,26 @@ def overlap_blockers(config: EngineConfig, device: str) -> list[str]:
     if config.parallel.expert_parallel_size > 1:
         reasons.append("expert-parallel ranks (their executor is driven from the engine thread)")
     return reasons
+
+
+def extra_decode_steps(config: EngineConfig, overlapped: bool) -> int:
+    """Multi-step decoding (worker/multi_step.py): decode steps a plain greedy decode runs after its step
+    (num_scheduler_steps - 1), or 0 where each step's tokens are needed before the next is planned: overlap
+    scheduling (it plans one token a step ahead), speculative decoding (its own tokens a step), a KV store (it saves
+    the blocks each planned step fills), a hand-off role, or expert-parallel ranks (their executor runs one step
+    per call)."""
+    extra = config.scheduler.num_scheduler_steps - 1
+    blockers = [why for why, on in (("overlap scheduling", overlapped), ("speculative decoding", config.spec.enabled),
+                                     ("a KV store", bool(config.kv_store.kinds)),
+                                     (f"role={config.disagg.role}", config.disagg.role != "both"),
+                                     ("expert-parallel ranks", config.parallel.expert_parallel_size > 1)) if on]
+    if extra and blockers:
+        logger.warning("num_scheduler_steps=%d ignored (one decode step per engine step) with %s", extra + 1,
+                       ", ".join(blockers))
+        return 0
+    if extra:
+        logger.info("multi-step decoding: up to %d decode steps per engine step for plain greedy decodes", extra + 1)
+    return extra
 
 
 class StepPipeline:

@@ -81,6 +81,15 @@ class DecodeBatch:
                     for t in self._tables]
         return StepInputs(torch.from_numpy(ids).to(device), torch.from_numpy(pos).to(device), metadata, self._rows)
 
+    def moved_on(self, inputs: StepInputs, steps: int) -> None:
+        """The held batch's rows ran `steps` more decode steps after this step's (worker/multi_step.py), so that
+        the next step still moves on from it."""
+        if self._order is None or inputs.requests is not self._rows:
+            return
+        for r in self._rows:
+            r.start += steps
+        self._pos = self._pos + steps
+
     def _grow(self, grown: list[int], requests: Mapping[str, HeldRequest]) -> None:
         """New tables for the rows that gained blocks (new arrays: the last step's stay as they were)."""
         for g in range(self.num_groups):

@@ -21,6 +21,7 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.worker.decode_batch import DecodeBatch
 from deepinfer.worker.inputs import RequestRows, StepInputs, build_inputs, prompt_runs
 from deepinfer.worker.mtp import mtp_drafts
+from deepinfer.worker.multi_step import run_steps
 from deepinfer.sample.rejection import verify_greedy
 from deepinfer.worker.speculative import (DraftState, check_shadow, depth_costs, draft_rows, plan_draft_lengths,
                                           propose, record_acceptance, verify)
@@ -236,6 +237,8 @@ class ModelRunner:
                 clock = _lap(result, "forward", clock)
                 self._sample(sampling, logits, plan.grammar_masks, result, plain)
             clock = _lap(result, "sample", clock)
+            if plain and plan.multi_steps and self._multi_step(plan, inputs, ctx, result):
+                clock = _lap(result, "forward", clock)
         else:
             clock = _lap(result, "forward", clock)
         if self.spec is not None:
@@ -303,6 +306,27 @@ class ModelRunner:
                                  state.sampling_row(None), r.drafts, _position_masks(masks.get(r.request_id)))
             record_acceptance(state.drafting, len(r.drafts), len(tokens) - 1)
             self._emit(r.request_id, tokens, lps, result)
+
+    def _multi_step(self, plan: StepPlan, inputs: StepInputs, ctx: ForwardContext, result: StepResult) -> bool:
+        """The extra decode steps the plan allows (worker/multi_step.py), where every row is a plain greedy decode
+        allowed some; False where the step is anything else (its one token stands)."""
+        rows = inputs.requests
+        if any(r.num_known != 1 or r.drafts or not r.samples or r.request_id not in plan.multi_steps for r in rows):
+            return False
+        steps = min(plan.multi_steps[r.request_id] for r in rows)
+        first = torch.tensor([result.sampled[r.request_id][0] for r in rows], device=self.device)
+
+        def argmax(hidden: torch.Tensor) -> torch.Tensor:
+            tokens = self.model.greedy_tokens(hidden)
+            return tokens if tokens is not None else self.sampler.argmax(self.model.compute_logits(hidden))
+
+        for tokens in run_steps(self.model, argmax, ctx, inputs.group_metadata, inputs.positions, first, steps):
+            for r, token in zip(rows, tokens.tolist()):
+                self._requests[r.request_id].extend([token])
+                result.sampled[r.request_id].append(token)
+        if self.decode_batch is not None:
+            self.decode_batch.moved_on(inputs, steps)
+        return True
 
     def _argmax_only(self, sampling: list[RequestRows], masks: dict) -> bool:
         """Every row plain greedy: no grammar mask, no logprobs or penalties, min_tokens met (then also at a draft's
