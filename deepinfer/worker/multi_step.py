@@ -7,11 +7,11 @@ The scheduler allocated every extra step's KV slot with the step's own (core/sch
 extra step is the forward one step at a time would run: the same rows, positions one further, the same block
 tables, the head's argmax; so the tokens and the cache are the same bits. A request that stops inside the run (an
 EOS or stop token, or max_tokens) keeps its tokens up to the stop: the scheduler cuts the rest, whose KV lies
-beyond its computed tokens, as a rejected draft's does.
+beyond its computed tokens, as a rejected draft's does; the run ends where every row has stopped.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -30,10 +30,10 @@ def next_position(md: AttentionMetadata, positions: torch.Tensor) -> AttentionMe
 
 def run_steps(model: torch.nn.Module, argmax: Callable[[torch.Tensor], torch.Tensor], ctx: ForwardContext,
               group_metadata: list[AttentionMetadata], positions: torch.Tensor, tokens: torch.Tensor,
-              steps: int) -> list[torch.Tensor]:
-    """`steps` more decode steps of one token per row after a step at `positions` that sampled `tokens`; each
-    step's tokens. ctx: that step's forward context (its caches, kernels and mode)."""
-    out = []
+              steps: int) -> Iterator[torch.Tensor]:
+    """Up to `steps` more decode steps of one token per row after a step at `positions` that sampled `tokens`:
+    each step's tokens, one step at a time (the caller stops the run where no row goes on). ctx: that step's
+    forward context (its caches, kernels and mode)."""
     for _ in range(steps):
         positions = positions + 1
         mds = [next_position(md, positions) for md in group_metadata]
@@ -45,5 +45,4 @@ def run_steps(model: torch.nn.Module, argmax: Callable[[torch.Tensor], torch.Ten
         with forward_context(step_ctx):
             hidden = model(tokens, positions)
         tokens = argmax(hidden)
-        out.append(tokens)
-    return out
+        yield tokens

@@ -80,6 +80,13 @@ class _RequestState:
         """A row the sampler answers with the argmax alone (once min_tokens no longer holds back a stop token)."""
         return self.plain_greedy and len(self.token_ids.output) >= self.params.min_tokens
 
+    def stops(self, token: int) -> bool:
+        """Whether sampling `token` ends the request (an EOS or stop token past min_tokens; the scheduler decides,
+        this only tells a multi-step run that the row has no use for more steps)."""
+        past_min = len(self.token_ids.output) >= self.params.min_tokens
+        return past_min and ((token in self.eos_token_ids and not self.params.ignore_eos)
+                             or token in self.params.stop_token_ids)
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.token_ids.prompt)
@@ -320,12 +327,18 @@ class ModelRunner:
             tokens = self.model.greedy_tokens(hidden)
             return tokens if tokens is not None else self.sampler.argmax(self.model.compute_logits(hidden))
 
-        for tokens in run_steps(self.model, argmax, ctx, inputs.group_metadata, inputs.positions, first, steps):
-            for r, token in zip(rows, tokens.tolist()):
+        stopped = [self._requests[r.request_id].stops(result.sampled[r.request_id][0]) for r in rows]
+        run = run_steps(self.model, argmax, ctx, inputs.group_metadata, inputs.positions, first, steps)
+        ran = 0
+        while ran < steps and not all(stopped):  # no step more once every row has sampled its last token
+            tokens = next(run)
+            ran += 1
+            for i, (r, token) in enumerate(zip(rows, tokens.tolist())):
                 self._requests[r.request_id].extend([token])
                 result.sampled[r.request_id].append(token)
-        if self.decode_batch is not None:
-            self.decode_batch.moved_on(inputs, steps)
+                stopped[i] = stopped[i] or self._requests[r.request_id].stops(token)
+        if self.decode_batch is not None and ran:
+            self.decode_batch.moved_on(inputs, ran)
         return True
 
     def _argmax_only(self, sampling: list[RequestRows], masks: dict) -> bool:

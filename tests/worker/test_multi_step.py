@@ -74,7 +74,8 @@ def test_option_checked_and_ignored_where_tokens_are_needed_each_step(tiny, capl
 
 def test_stops_inside_a_run_on_the_bundled_model():
     """Real text: each request stops at the first token of its answer that first appears at its 3rd position or
-    later (inside a run of 5); the same tokens as one step at a time, the stop token last."""
+    later (inside a run of 5); the same tokens as one step at a time, the stop token last, and alone no forward
+    past it."""
     prompts = ["Once upon a time, in a small village by the sea,", "The three primary colours are", "def fibonacci(n):"]
     greedy = SamplingParams(temperature=0, max_tokens=48)
     one, multi = LLM(kv_cache_memory=32 << 20), LLM(kv_cache_memory=32 << 20, num_scheduler_steps=5)
@@ -85,3 +86,12 @@ def test_stops_inside_a_run_on_the_bundled_model():
     got = [o.outputs[0].token_ids for o in multi.generate(prompts, stops, use_tqdm=False)]
     assert got == [o.outputs[0].token_ids for o in one.generate(prompts, stops, use_tqdm=False)]
     assert all(out[-1] == t and len(out) >= 3 for out, t in zip(got, firsts))
+    # alone, a run ends at the row's stop token: no forward past it (as many as one step at a time runs)
+    counts = []
+    for llm in (one, multi):
+        calls = [0]
+        hook = llm.engine.executor.runner.model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        llm.generate(prompts[:1], stops[0], use_tqdm=False)
+        hook.remove()
+        counts.append(calls[0])
+    assert counts[0] == counts[1]
