@@ -30,8 +30,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="overlap scheduling: plan the next step and process outputs while a step computes "
                         "(default: off; it measured slower on the CPU and on CUDA)")
     g.add_argument("--num-scheduler-steps", type=int, default=1,
-                   help="decode steps a plain greedy decode runs per engine step, without the engine's work "
-                        "between them (default 1)")
+                   help="decode steps a decode (no drafts, no grammar) runs per engine step, without the "
+                        "engine's work between them (default 1)")
     g.add_argument("--batch-invariant", action="store_true", default=None, help="same as DEEPINFER_BATCH_INVARIANT=1")
     g.add_argument("--num-threads", type=int, default=None)
     sp = parser.add_argument_group("speculative decoding")

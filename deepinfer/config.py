@@ -138,8 +138,8 @@ class SchedulerConfig:
     # sequences that may wait at once; the server answers 503 + Retry-After past it. None: derived from the KV
     # capacity (engine/client.default_max_waiting). The offline LLM never refuses work.
     max_waiting_requests: int | None = None
-    # decode steps a plain greedy decode runs in one engine step (vLLM's --num-scheduler-steps): the extra steps
-    # go straight from the head's argmax to the next forward, without the engine's scheduling and output work
+    # decode steps a decode (no drafts, no grammar) runs in one engine step (vLLM's --num-scheduler-steps): the
+    # extra steps go straight from the sampler to the next forward, without the engine's scheduling and output work
     # in between (worker/multi_step.py). Tokens are the same; outputs and new arrivals wait for the whole run.
     num_scheduler_steps: int = 1
 

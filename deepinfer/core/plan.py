@@ -61,8 +61,8 @@ class StepPlan:
     # speculative decoding: draft tokens appended after a request's last known token this step (counted in
     # num_tokens); the worker verifies them and samples one more
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # multi-step decoding: plain decodes that may run this many more decode steps after this one (their KV slots
-    # are allocated); the worker returns each step's token, or only the first where it cannot run them
+    # multi-step decoding: decodes that may run this many more decode steps after this one (their KV slots are
+    # allocated); the worker returns each step's token, or only the first where it cannot run them
     multi_steps: dict[str, int] = field(default_factory=dict)
     finished_ids: list[str] = field(default_factory=list)  # the worker drops their state
     preempted_ids: list[str] = field(default_factory=list)

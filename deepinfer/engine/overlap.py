@@ -62,7 +62,7 @@ def overlap_blockers(config: EngineConfig, device: str) -> list[str]:
 
 
 def extra_decode_steps(config: EngineConfig, overlapped: bool) -> int:
-    """Multi-step decoding (worker/multi_step.py): decode steps a plain greedy decode runs after its step
+    """Multi-step decoding (worker/multi_step.py): decode steps a decode (no drafts, no grammar) runs after its step
     (num_scheduler_steps - 1), or 0 where each step's tokens are needed before the next is planned: overlap
     scheduling (it plans one token a step ahead), speculative decoding (its own tokens a step), a KV store (it saves
     the blocks each planned step fills), a hand-off role, or expert-parallel ranks (their executor runs one step
@@ -77,7 +77,8 @@ def extra_decode_steps(config: EngineConfig, overlapped: bool) -> int:
                        ", ".join(blockers))
         return 0
     if extra:
-        logger.info("multi-step decoding: up to %d decode steps per engine step for plain greedy decodes", extra + 1)
+        logger.info("multi-step decoding: up to %d decode steps per engine step for decodes without a grammar",
+                    extra + 1)
     return extra
 
 

@@ -21,7 +21,7 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.worker.decode_batch import DecodeBatch
 from deepinfer.worker.inputs import RequestRows, StepInputs, build_inputs, prompt_runs
 from deepinfer.worker.mtp import mtp_drafts
-from deepinfer.worker.multi_step import run_steps
+from deepinfer.worker.multi_step import forward_next
 from deepinfer.sample.rejection import verify_greedy
 from deepinfer.worker.speculative import (DraftState, check_shadow, depth_costs, draft_rows, plan_draft_lengths,
                                           propose, record_acceptance, verify)
@@ -244,7 +244,7 @@ class ModelRunner:
                 clock = _lap(result, "forward", clock)
                 self._sample(sampling, logits, plan.grammar_masks, result, plain)
             clock = _lap(result, "sample", clock)
-            if plain and plan.multi_steps and self._multi_step(plan, inputs, ctx, result):
+            if plan.multi_steps and self._multi_step(plan, inputs, ctx, result):
                 clock = _lap(result, "forward", clock)
         else:
             clock = _lap(result, "forward", clock)
@@ -315,28 +315,35 @@ class ModelRunner:
             self._emit(r.request_id, tokens, lps, result)
 
     def _multi_step(self, plan: StepPlan, inputs: StepInputs, ctx: ForwardContext, result: StepResult) -> bool:
-        """The extra decode steps the plan allows (worker/multi_step.py), where every row is a plain greedy decode
-        allowed some; False where the step is anything else (its one token stands)."""
+        """The extra decode steps the plan allows (worker/multi_step.py), where every row is a decode allowed some
+        and no row follows a grammar (its next mask needs this token); False otherwise (its one token stands)."""
         rows = inputs.requests
-        if any(r.num_known != 1 or r.drafts or not r.samples or r.request_id not in plan.multi_steps for r in rows):
+        if plan.grammar_masks or any(r.num_known != 1 or r.drafts or not r.samples
+                                     or r.request_id not in plan.multi_steps for r in rows):
             return False
+        states = [self._requests[r.request_id] for r in rows]
         steps = min(plan.multi_steps[r.request_id] for r in rows)
-        first = torch.tensor([result.sampled[r.request_id][0] for r in rows], device=self.device)
-
-        def argmax(hidden: torch.Tensor) -> torch.Tensor:
-            tokens = self.model.greedy_tokens(hidden)
-            return tokens if tokens is not None else self.sampler.argmax(self.model.compute_logits(hidden))
-
-        stopped = [self._requests[r.request_id].stops(result.sampled[r.request_id][0]) for r in rows]
-        run = run_steps(self.model, argmax, ctx, inputs.group_metadata, inputs.positions, first, steps)
+        positions = inputs.positions
+        tokens = torch.tensor([result.sampled[r.request_id][0] for r in rows], device=self.device)
+        stopped = [s.stops(int(t)) for s, t in zip(states, tokens.tolist())]
         ran = 0
         while ran < steps and not all(stopped):  # no step more once every row has sampled its last token
-            tokens = next(run)
+            positions = positions + 1
+            hidden = forward_next(self.model, ctx, inputs.group_metadata, positions, tokens)
+            ids = self.model.greedy_tokens(hidden) if all(s.argmax_only for s in states) else None
+            if ids is not None:  # as a step of plain greedy rows takes them: the head's argmax, no logits
+                ids, logprobs = ids.tolist(), [None] * len(rows)
+            else:  # the step's one sampler call over every row
+                out = self.sampler(self.model.compute_logits(hidden), [s.sampling_row(None) for s in states])
+                ids, logprobs = out.token_ids, out.logprobs
             ran += 1
-            for i, (r, token) in enumerate(zip(rows, tokens.tolist())):
-                self._requests[r.request_id].extend([token])
+            for i, (r, token, lp) in enumerate(zip(rows, ids, logprobs)):
+                states[i].extend([token])
                 result.sampled[r.request_id].append(token)
-                stopped[i] = stopped[i] or self._requests[r.request_id].stops(token)
+                if lp is not None:
+                    result.logprobs[r.request_id].append(lp)
+                stopped[i] = stopped[i] or states[i].stops(token)
+            tokens = torch.tensor(ids, device=self.device)
         if self.decode_batch is not None and ran:
             self.decode_batch.moved_on(inputs, ran)
         return True

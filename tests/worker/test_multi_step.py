@@ -1,9 +1,9 @@
 """Multi-step decoding (num_scheduler_steps, worker/multi_step.py) against one decode step per engine step: the same
-tokens for every request, greedy, on the compiled decode stack (int8 blocks) and on the module path (float32), on a
-plain Llama and on a Gemma 3 with sliding-window layers; with requests joining and finishing at different steps,
-max_tokens that are no multiple of the run, a small cache that preempts, a row that cannot run ahead (logprobs)
-beside ones that can, the blocks the runs leave in the prefix cache, and (on the bundled model) stop tokens inside a
-run. The KV cache is all free again afterwards."""
+tokens (and logprobs) for every request, greedy and seeded sampling with penalties and min_tokens, on the compiled
+decode stack (int8 blocks) and on the module path (float32), on a plain Llama and on a Gemma 3 with sliding-window
+layers; with requests joining and finishing at different steps, max_tokens that are no multiple of the run, a small
+cache that preempts, a row with logprobs beside plain greedy ones, the blocks the runs leave in the prefix cache, and
+(on the bundled model) stop tokens inside a run. The KV cache is all free again afterwards."""
 import pytest
 
 from deepinfer import SamplingParams
@@ -55,13 +55,31 @@ def test_same_tokens_as_one_step_at_a_time(tiny, quantization):
     assert sum(o.num_cached_tokens > 0 for o in warm) >= len(PROMPTS) // 2
     assert [o.outputs[0].token_ids for o in warm] == \
            [o.outputs[0].token_ids for o in cold.generate(continued, more, use_tqdm=False)]
-    # one request asks for logprobs (it samples one token a step: the step's other rows run ahead only where every
-    # row can)
+    # one request asks for logprobs: its steps take the sampler over every row instead of the head's argmax
     mixed = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2 if i == 3 else None)
              for i, n in enumerate(LENGTHS)]
     assert tokens(multi, mixed) == expected
     for llm in (one, multi):  # cached blocks are free (evictable) blocks
         assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks
+
+
+def test_sampled_rows_same_tokens_and_logprobs_as_one_step_at_a_time(tiny):
+    """Seeded sampling (top-k, top-p, min-p), penalties, logprobs and min_tokens: each extra step makes the step's
+    one sampler call, a row's draw keyed by its position, so tokens and logprobs are the same bits; a grammar row
+    (its next mask needs this token) keeps its batch to one step at a time."""
+    one, multi = engine(tiny, 1, "int8"), engine(tiny, 5, "int8")
+    kinds = [dict(top_k=20), dict(top_p=0.9, logprobs=3), dict(min_p=0.05, presence_penalty=0.5),
+             dict(repetition_penalty=1.3, frequency_penalty=0.2, logprobs=1), dict(min_tokens=6), {}]
+    params = [SamplingParams(temperature=0.9, seed=100 + i, max_tokens=n, **kinds[i % len(kinds)])
+              for i, n in enumerate(LENGTHS)]
+
+    def run(llm):
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    steps_before = multi.engine.step_times.steps
+    assert run(multi) == run(one)
+    assert multi.engine.step_times.steps - steps_before < 0.6 * one.engine.step_times.steps
 
 
 def test_option_checked_and_ignored_where_tokens_are_needed_each_step(tiny, caplog):
