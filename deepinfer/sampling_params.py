@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import Any
 
 SCHEMA_TYPES = ("regex", "json", "ebnf")
@@ -131,6 +132,17 @@ class SamplingParams:
 
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+    def token_stop(self, token: int, eos_token_ids: Collection[int], num_output: int) -> tuple[str, int | None] | None:
+        """Why sampling `token` as a sequence's output token number `num_output` ends it: ("stop", None) for an
+        EOS (unless ignore_eos), ("stop", token) for one of stop_token_ids; None before min_tokens, or otherwise."""
+        if num_output < self.min_tokens:
+            return None
+        if token in eos_token_ids and not self.ignore_eos:
+            return "stop", None
+        if token in self.stop_token_ids:
+            return "stop", token
+        return None
 
 
 def _validate_so_args(so_args: Any) -> None:

@@ -122,10 +122,11 @@ class Scheduler(KVArrivals):
                 continue
             n = min(request.num_planned_tokens - request.num_computed_tokens, budget)
             drafts = self._drafts_to_verify(request, n, budget)
-            ahead = self._lookahead(request, n + len(drafts)) or self._more_steps(request, n, drafts)
+            more = self._more_steps(request, n, drafts)  # multi-step decoding (0 with MTP's lookahead: exclusive)
+            ahead = self._lookahead(request, n + len(drafts)) + more
             while not self.kv.can_allocate(request, n + len(drafts) + ahead):
                 if drafts or ahead:  # drop the drafts (and extra steps) before preempting anyone
-                    drafts, ahead = [], 0
+                    drafts, ahead, more = [], 0, 0
                     continue
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -139,8 +140,8 @@ class Scheduler(KVArrivals):
                 )
                 if drafts:
                     plan.spec_token_ids[request.request_id] = drafts
-                if ahead and self.multi_steps:
-                    plan.multi_steps[request.request_id] = ahead
+                if more:
+                    plan.multi_steps[request.request_id] = more
                 self._plan_tokens(plan, request, n, len(drafts))
                 budget -= n + len(drafts)
                 i += 1
@@ -362,11 +363,9 @@ class Scheduler(KVArrivals):
     def _stop_reason(self, request: Request, token: int) -> tuple[str, int | None] | None:
         params = request.params
         num_out = len(request.output_token_ids)
-        if num_out >= params.min_tokens:
-            if token in request.eos_token_ids and not params.ignore_eos:
-                return "stop", None
-            if token in params.stop_token_ids:
-                return "stop", token
+        reason = params.token_stop(token, request.eos_token_ids, num_out)
+        if reason is not None:
+            return reason
         if params.max_tokens is not None and num_out >= params.max_tokens:
             return "length", None
         if request.num_tokens >= self.max_model_len:

@@ -81,11 +81,9 @@ class _RequestState:
         return self.plain_greedy and len(self.token_ids.output) >= self.params.min_tokens
 
     def stops(self, token: int) -> bool:
-        """Whether sampling `token` ends the request (an EOS or stop token past min_tokens; the scheduler decides,
-        this only tells a multi-step run that the row has no use for more steps)."""
-        past_min = len(self.token_ids.output) >= self.params.min_tokens
-        return past_min and ((token in self.eos_token_ids and not self.params.ignore_eos)
-                             or token in self.params.stop_token_ids)
+        """Whether `token`, the last output token, ends the request (the scheduler decides; this only tells a
+        multi-step run that the row has no use for more steps)."""
+        return self.params.token_stop(token, self.eos_token_ids, len(self.token_ids.output)) is not None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -324,8 +322,9 @@ class ModelRunner:
         states = [self._requests[r.request_id] for r in rows]
         steps = min(plan.multi_steps[r.request_id] for r in rows)
         positions = inputs.positions
-        tokens = torch.tensor([result.sampled[r.request_id][0] for r in rows], device=self.device)
-        stopped = [s.stops(int(t)) for s, t in zip(states, tokens.tolist())]
+        first = [result.sampled[r.request_id][0] for r in rows]
+        tokens = torch.tensor(first, device=self.device)
+        stopped = [s.stops(t) for s, t in zip(states, first)]
         ran = 0
         while ran < steps and not all(stopped):  # no step more once every row has sampled its last token
             positions = positions + 1
