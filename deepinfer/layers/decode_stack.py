@@ -90,6 +90,7 @@ class DecodeStack:
         self.sin = [layer["rotary"].sin for layer in layers]
         self._caches: list | None = None
         self._stack = None
+        self.input_stage: tuple | None = None  # an MTP layer's (enorm, hnorm, eh_proj): set_input's arguments
         self._group_heads: list[int] = []  # per group of layers, its first layer (whose metadata the group uses)
 
     def _compiled(self, kv_caches: list, layer_attn: list | None) -> Any:
@@ -106,6 +107,10 @@ class DecodeStack:
             self._stack = self.ops.DecodeStack(self.linears, self.norms, self.eps, self.offsets, self.norm_index,
                                                self.windows, groups, self.shape, self.scale, self.act, self.cos,
                                                self.sin, [k for k, _ in caches], [v for _, v in caches], self.tiles)
+            if self.input_stage is not None:
+                enorm, hnorm, eh_proj = self.input_stage
+                self._stack.set_input([enorm.weight.detach(), hnorm.weight.detach()], [enorm.eps, hnorm.eps],
+                                      [enorm.offset, hnorm.offset], _linear_args(eh_proj))
             self._caches, self._group_heads = kv_caches, heads
         return self._stack
 
@@ -127,6 +132,20 @@ class DecodeStack:
             return None
         return stack.forward(x, positions, [md.slot_mapping for md in mds], [t for t, _ in rows],
                              [n for _, n in rows], mds[0].block_size, tile_from)
+
+    def staged_rows(self, kv_caches: list, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                    slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, block_size: int,
+                    full_rows: int) -> torch.Tensor | None:
+        """An MTP layer's decode rows from its inputs (the embedded next tokens and the main model's hidden states),
+        input stage included; rows full_rows.. only cache their K and V. Their final-normed outputs [full_rows, H],
+        or None where this stack cannot (no input stage, inputs not float32, a cache dtype the kernels do not read)."""
+        k_cache, v_cache = kv_caches[self.cache_index[0]]
+        if self.input_stage is None or embeds.dtype != torch.float32 or hidden.dtype != torch.float32:
+            return None
+        if k_cache.dtype not in KERNEL_CACHES or v_cache.dtype != k_cache.dtype:
+            return None
+        return self._compiled(kv_caches, None).forward(embeds, positions, [slots], [tables], [lens], block_size, -1,
+                                                       hidden, full_rows)
 
     def _tile_from(self, runs: tuple[tuple[int, int], ...], rows: int) -> int | None:
         """The first row the stack computes on AMX tiles (-1: none), or None where the prompt rows are not the

@@ -43,6 +43,9 @@ def enable_fused_ops(model: nn.Module, ops: ModuleType) -> int:
                               "decode stack (decode steps' layers in one compiled call)")
             elif isinstance(module, MTPLayer):  # a draft head's block and its output norm, the same way
                 _attach_stack(ops, module, [_parts(module.block)], module.shared_head.norm, "MTP layer's decode stack")
+                eh = module.eh_proj
+                if module.decode_stack is not None and isinstance(eh, QuantizedLinear) and eh.weight.packed is not None:
+                    module.decode_stack.input_stage = (module.enorm, module.hnorm, eh)  # the layer's input in it too
     return changed
 
 

@@ -13,7 +13,10 @@ is not drafting pays per step. Deeper drafts apply the layer
 again to its own output and the previous draft, one row per request at the next position (DeepSeek's recursive use
 of one MTP layer); that speculative KV is rewritten once the position is computed. Drafts are greedy: deterministic
 proposals, verified as one-hot drafts (lossless either way). Each depth runs through the MTP layer's decode stack
-(transforms/fused_ops.py) where the model has one.
+(transforms/fused_ops.py) where the model has one. In a step of decode rows only (every request decoding, the common
+step), each depth is one compiled call from the tokens and hidden states: the stack's input stage computes the
+layer's input, and the rows that only need K and V stop there (`_staged_drafts`); the same bits as the module path's
+input projection followed by the stack.
 """
 from __future__ import annotations
 
@@ -35,6 +38,10 @@ def mtp_drafts(model, mtp, inputs: StepInputs, hidden: torch.Tensor, token_ids: 
     if len(layout.groups) != 1:
         raise ValueError("MTP drafts need a model with one layer group (no sliding-window hybrids)")
     env = (kv_caches, block_size, device, batch_invariant, cpu_kernels)
+    if _staged(mtp, inputs, lengths, cpu_kernels):
+        drafts = _staged_drafts(model, mtp, inputs, hidden, emitted, lengths, tables, env)
+        if drafts is not None:
+            return drafts
     upkeep: list[int] = []  # the step's rows that get KV only
     ends: list[tuple[int, int]] = []  # (index in upkeep, next token) of each request's last upkeep row
     heads: list[RequestRows] = []  # a drafting request's rows through the whole layer, as decode rows
@@ -154,3 +161,69 @@ def _draft_head(model, vocab: torch.Tensor):
         return weight.dense[vocab].float().contiguous()
     rows = quant_linear.rows(weight.kernels, vocab, weight.packed)
     return weight.kernels, quant_linear.pack(quant_linear.quantize_int8(rows.numpy()))
+
+
+def _staged(mtp, inputs: StepInputs, lengths: dict[str, int], cpu_kernels) -> bool:
+    """Whether this step's MTP work goes through the layers' stacks with their input stage, one call per depth: a
+    step of decode rows only (every request decoding), where every depth's layer has such a stack."""
+    md = inputs.group_metadata[0]
+    if cpu_kernels is None or md.prefills or not all(r.samples and r.num_known == 1 for r in inputs.requests):
+        return False
+    depths = max(lengths.values(), default=0)
+    return all(getattr(mtp.layer(d).decode_stack, "input_stage", None) is not None for d in range(max(depths, 1)))
+
+
+def _staged_drafts(model, mtp, inputs: StepInputs, hidden: torch.Tensor, emitted: dict[str, list[int]],
+                   lengths: dict[str, int], tables: dict[str, list[list[int]]], env) -> dict[str, list[int]] | None:
+    """mtp_drafts for a step of decode rows, each depth one compiled call (None: the stack declined). A request's
+    known row and accepted drafts are its rows; their next tokens are the tokens it emitted. A drafting request's
+    rows run the whole layer (its last row's output predicts the first draft); every other request's rows cache
+    their K and V only (full_rows)."""
+    kv_caches, block_size, device, batch_invariant, _ = env
+    md = inputs.group_metadata[0]
+    full, kv_only, full_next, kv_next, drafting = [], [], [], [], []
+    for r in inputs.requests:
+        tokens = emitted.get(r.request_id, ())
+        rows = range(r.first_row, r.first_row + len(tokens))
+        if lengths.get(r.request_id, 0) > 0 and tokens:
+            full += rows
+            full_next += tokens
+            drafting.append((r.request_id, len(full) - 1))
+        else:
+            kv_only += rows
+            kv_next += tokens
+    if not full and not kv_only:
+        return {}
+    index = torch.tensor(full + kv_only, dtype=torch.int64)
+    positions = inputs.positions[index]
+    tokens = torch.tensor(full_next + kv_next, dtype=torch.int64, device=device)
+    block_tables = md.decode_block_tables[index]
+    state = mtp.layer(0).decode_stack.staged_rows(kv_caches, model.model.embed_tokens(tokens), hidden[index],
+                                                  positions, md.slot_mapping[index], block_tables, positions + 1,
+                                                  block_size, len(full))
+    if state is None:
+        return None
+    drafts: dict[str, list[int]] = {rid: [] for rid, _ in drafting}
+    if not drafting:
+        return drafts
+    last = torch.tensor([row for _, row in drafting], dtype=torch.int64)
+    state, positions, block_tables = state[last], positions[last], block_tables[last]
+    rids = [rid for rid, _ in drafting]
+    for depth in range(max(lengths[rid] for rid in rids)):
+        for rid, token in zip(rids, _greedy_drafts(model, mtp, state, batch_invariant)):
+            drafts[rid].append(token)
+        positions = positions + 1
+        room = [i for i, rid in enumerate(rids) if len(drafts[rid]) < lengths[rid]
+                and int(positions[i]) < len(tables[rid][0]) * block_size]
+        if not room:
+            break
+        keep = torch.tensor(room, dtype=torch.int64)
+        rids = [rids[i] for i in room]
+        state, positions, block_tables = state[keep], positions[keep], block_tables[keep]
+        slots = block_tables.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
+        tokens = torch.tensor([drafts[rid][-1] for rid in rids], dtype=torch.int64, device=device)
+        state = mtp.layer(depth + 1).decode_stack.staged_rows(kv_caches, model.model.embed_tokens(tokens), state,
+                                                              positions, slots, block_tables, positions + 1,
+                                                              block_size, len(rids))
+    return drafts
+

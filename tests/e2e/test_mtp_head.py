@@ -8,7 +8,9 @@ import torch
 import transformers
 
 from deepinfer import SamplingParams
+from deepinfer.layers.context import forward_context
 from deepinfer.llm import LLM
+from deepinfer.spec.mtp import contiguous_context
 from deepinfer.spec.train_mtp import TrainConfig, split_by_prompt, train
 
 from ..models.hf_reference import mtp_caches, save_tiny
@@ -56,21 +58,63 @@ def test_drafting_with_the_head_keeps_greedy_tokens(tiny_with_head, quantization
     plain = LLM(path, kv_cache_memory=8 << 20, quantization=quantization).generate(prompts, GREEDY, use_tqdm=False)
     spec = LLM(path, kv_cache_memory=8 << 20, speculative_method="mtp", draft=head, enable_mtp_varlen=False,
                quantization=quantization)
-    layer, stacked = spec.engine.executor.model.mtp.layers[0], []
+    layer, stacked, staged = spec.engine.executor.model.mtp.layers[0], [], []
     assert (layer.decode_stack is not None) == (quantization == "int8")
-    if layer.decode_stack is not None:  # count the depths that ran through it
-        stack = layer.decode_stack
-
-        def counted(x, positions):
-            stacked.append(stack(x, positions))
-            return stacked[-1]
-        layer.decode_stack = counted
+    if layer.decode_stack is not None:  # count the depths that ran through it, from the module or staged
+        layer.decode_stack = Counted(layer.decode_stack, stacked, staged)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, GREEDY, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in plain]
     assert (sum(out is not None for out in stacked) > 0) == (quantization == "int8")
+    assert (sum(out is not None for out in staged) > 0) == (quantization == "int8")
     assert spec.engine.stats().spec_decode.num_draft_tokens > 0
     draft_head = spec.engine.executor.model.mtp._draft_head
     assert isinstance(draft_head, tuple) == (quantization == "int8")  # (kernels, packed int8 rows) or float rows
+
+
+class Counted:
+    """A layer's decode stack that records what each of its two entries returned."""
+
+    def __init__(self, stack, stacked: list, staged: list) -> None:
+        self.stack, self.stacked, self.staged, self.input_stage = stack, stacked, staged, stack.input_stage
+
+    def __call__(self, x, positions):
+        self.stacked.append(self.stack(x, positions))
+        return self.stacked[-1]
+
+    def staged_rows(self, *args):
+        self.staged.append(self.stack.staged_rows(*args))
+        return self.staged[-1]
+
+
+def test_the_staged_stack_computes_what_the_layer_computes(tiny_with_head):
+    """One compiled call with the layer's input stage: the same bits as the module path's input projection followed
+    by the stack, the module path's cache, and its output up to the attention kernel's rounding (the module path
+    takes these rows as a prefill); rows past full_rows cache the same K and V and return nothing."""
+    path, head = tiny_with_head
+    layer = LLM(path, kv_cache_memory=8 << 20, speculative_method="mtp", draft=head,
+                quantization="int8").engine.executor.model.mtp.layers[0]
+    stack = layer.decode_stack
+    assert stack.input_stage is not None
+    rows = 7
+    torch.manual_seed(1)
+    positions, size = torch.arange(rows), layer.enorm.weight.shape[0]
+    embeds, hidden = torch.randn(rows, size), torch.randn(rows, size)
+    ctx = contiguous_context(positions, {layer.cache_index: layer.cache_shape}, torch.float32)
+    with torch.inference_mode(), forward_context(ctx):  # the module path (a prefill: each row sees those before it)
+        expected = layer(positions, embeds, hidden)
+        x = layer._input(embeds, hidden)
+    one_block = torch.zeros(rows, 1, dtype=torch.int64)
+    scratch = contiguous_context(positions, {layer.cache_index: layer.cache_shape}, torch.float32).kv_caches
+    with torch.inference_mode():  # the stack without its input stage, on the module path's input
+        plain = stack._compiled(scratch, None).forward(x, positions, [positions], [one_block], [positions + 1], rows)
+    torch.testing.assert_close(plain, expected, rtol=0, atol=1e-5)
+    for full in (rows, 3, 0):
+        caches = contiguous_context(positions, {layer.cache_index: layer.cache_shape}, torch.float32).kv_caches
+        with torch.inference_mode():  # one block of `rows` slots, slot = position
+            out = stack.staged_rows(caches, embeds, hidden, positions, positions, one_block, positions + 1, rows, full)
+        assert out.shape == (full, size) and torch.equal(out, plain[:full])
+        for got, want in zip(caches[layer.cache_index], ctx.kv_caches[layer.cache_index]):
+            assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])

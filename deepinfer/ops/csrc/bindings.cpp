@@ -61,5 +61,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>, bool>())
       .def("forward", &DecodeStack::forward, "decode rows through every layer and the final norm", py::arg("x"),
            py::arg("positions"), py::arg("slots"), py::arg("tables"), py::arg("lens"), py::arg("block_size"),
-           py::arg("tile_from") = -1, nogil);
+           py::arg("tile_from") = -1, py::arg("hidden") = py::none(), py::arg("full_rows") = -1, nogil)
+      .def("set_input", &DecodeStack::set_input, "an MTP layer's input stage: W_eh [enorm(x) ; hnorm(hidden)]",
+           py::arg("norms"), py::arg("eps"), py::arg("offsets"), py::arg("eh"));
 }

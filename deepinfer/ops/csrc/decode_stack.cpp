@@ -79,6 +79,30 @@ DecodeStack::DecodeStack(std::vector<Linear> linears, std::vector<torch::Tensor>
   }
 }
 
+void DecodeStack::set_input(std::vector<torch::Tensor> norms, std::vector<double> eps, std::vector<double> offsets,
+                            Linear eh) {
+  const int64_t H = (int64_t)wo_[norm_index_.back()].size();
+  TORCH_CHECK(windows_.size() == 1 && norms.size() == 2 && eps.size() == 2 && offsets.size() == 2,
+              "DecodeStack: an input stage is for a one-layer stack, with two norms");
+  TORCH_CHECK(std::get<6>(eh) == H, "DecodeStack: W_eh must have ", H, " output features");
+  in_wo_.clear();
+  for (size_t i = 0; i < 2; ++i) {
+    auto w = norms[i].contiguous();
+    TORCH_CHECK(w.scalar_type() == torch::kFloat && w.numel() == H, "DecodeStack: input norms must be float32 [",
+                H, "]");
+    std::vector<float> wo(H);
+    for (int64_t j = 0; j < H; ++j) wo[j] = w.data_ptr<float>()[j] + (float)offsets[i];
+    in_wo_.push_back(std::move(wo));
+  }
+  const auto& b = std::get<7>(eh);
+  TORCH_CHECK(!b.has_value() || !b->defined() || (b->scalar_type() == torch::kFloat && b->is_contiguous()),
+              "DecodeStack: biases must be contiguous float32");
+  in_eps_ = std::move(eps);
+  in_view_ = {quant_view(std::get<0>(eh), std::get<1>(eh), std::get<2>(eh), std::get<3>(eh), std::get<4>(eh),
+                         std::get<5>(eh), 2 * H)};
+  in_linear_ = {std::move(eh)};
+}
+
 const float* DecodeStack::norm(size_t layer, Norm which) const {
   const int64_t i = norm_index_[kNorms * layer + which];
   return i < 0 ? nullptr : wo_[i].data();
@@ -91,7 +115,8 @@ float DecodeStack::eps(size_t layer, Norm which) const {
 
 torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> slots,
                                    std::vector<torch::Tensor> tables, std::vector<torch::Tensor> lens,
-                                   int64_t block_size, int64_t tile_from) const {
+                                   int64_t block_size, int64_t tile_from, c10::optional<torch::Tensor> hidden,
+                                   int64_t full_rows) const {
   const size_t L = windows_.size(), G = slots.size();
   const int64_t final_norm = norm_index_.back(), H = (int64_t)wo_[final_norm].size();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(1) == H, "DecodeStack: x must be float32 [T, ", H, "]");
@@ -103,6 +128,16 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
               "or without AMX tile state");
   positions = positions.contiguous().to(torch::kLong);
   const int64_t T = x.size(0), qs = heads_ * head_dim_, kvs = kv_heads_ * head_dim_, D = head_dim_;
+  const bool staged = hidden.has_value() && hidden->defined();  // the MTP input stage first
+  TORCH_CHECK(!staged || !in_view_.empty(), "DecodeStack: hidden states given to a stack without an input stage");
+  if (staged) {
+    hidden = hidden->contiguous();
+    TORCH_CHECK(hidden->scalar_type() == torch::kFloat && hidden->dim() == 2 && hidden->size(0) == T &&
+                hidden->size(1) == H, "DecodeStack: hidden must be float32 [T, ", H, "]");
+  }
+  const int64_t F = full_rows < 0 ? T : full_rows;  // rows F.. stop after their K and V
+  TORCH_CHECK(F >= 0 && F <= T && (F == T || (L == 1 && P == T0)), "DecodeStack: full_rows must be in [0, T], and "
+              "below T only for one layer on the blocks");
   TORCH_CHECK(positions.numel() == T, "DecodeStack: one position per row");
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
@@ -131,9 +166,11 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
   }
   const int64_t ld_qkv = views_[0].nb * 16, ld_o = views_[1].nb * 16, ld_gu = views_[2].nb * 16;
   const int64_t ld_dn = views_[3].nb * 16, I = std::get<6>(linears_[2]) / 2;
-  const int64_t kmax = std::max({H, qs, I});
+  const int64_t kmax = std::max({staged ? 2 * H : H, qs, I});
   auto f32 = torch::TensorOptions().dtype(torch::kFloat);
-  auto res = x.clone();
+  auto res = staged ? torch::empty({T, H}, f32) : x.clone();
+  const int64_t ld_eh = staged ? in_view_[0].nb * 16 : 0;
+  auto cat = torch::empty({staged ? T : 0, 2 * H}, f32), xe = torch::empty({staged ? T : 0, ld_eh}, f32);
   auto h = torch::empty({T, H}, f32), tmp = torch::empty({T, H}, f32);
   auto qkv = torch::empty({T, ld_qkv}, f32), qc = torch::empty({T, qs}, f32), att = torch::empty({T, qs}, f32);
   auto o = torch::empty({T, ld_o}, f32), gu = torch::empty({T, ld_gu}, f32), a = torch::empty({T, I}, f32);
@@ -149,7 +186,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
   int64_t scratch = 0;
   for (size_t l = 0; l < L; ++l) {
     const auto g = groups_[l];
-    plans.push_back(decode_attention(qc.data_ptr<float>(), k_caches_[l], v_caches_[l], T, heads_,
+    plans.push_back(decode_attention(qc.data_ptr<float>(), k_caches_[l], v_caches_[l], F, heads_,
                                      tables[g].data_ptr<int64_t>(), tables[g].size(1), lens[g].data_ptr<int64_t>(),
                                      block_size, scale_, windows_[l], att.data_ptr<float>(), threads));
     scratch = std::max(scratch, decode_scratch(plans.back()));
@@ -163,6 +200,8 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
   float *qkvp = qkv.data_ptr<float>(), *qcp = qc.data_ptr<float>(), *attp = att.data_ptr<float>();
   float *op = o.data_ptr<float>(), *gup = gu.data_ptr<float>(), *ap = a.data_ptr<float>(), *dnp = dn.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
+  const float* hsp = staged ? hidden->data_ptr<float>() : nullptr;
+  float *catp = cat.data_ptr<float>(), *xep = xe.data_ptr<float>();
   int8_t* xqp = xq.data();
   float* xdp = xd.data();
   int32_t* xsp = xs.data();
@@ -172,11 +211,12 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
     if (t >= P) amx_round_row(row, K, xbp + (t - P) * K);
     else quantize_row(row, K, xqp + t * K, xdp + t * (K / 32), xsp + t * (K / 16), xtp + t * (3 * K / 32));
   };
-  auto blocks = [&](size_t i, float* out, int64_t ld) {
-    if (P > 0) {
-      const auto [b0, b1] = share(views_[i].nb);
-      quant_blocks(views_[i], xqp, xdp, xsp, xtp, P, out, ld, b0, b1);
-    }
+  auto view_blocks = [&](const QuantView& view, float* out, int64_t ld, int64_t rows) {  // rows <= P
+    const auto [b0, b1] = share(view.nb);
+    if (rows > 0) quant_blocks(view, xqp, xdp, xsp, xtp, rows, out, ld, b0, b1);
+  };
+  auto blocks = [&](size_t i, float* out, int64_t ld, int64_t rows) {
+    view_blocks(views_[i], out, ld, std::min(P, rows));
     if (TM > 0) {  // whole tiles of columns: ld is the padded width
       const int64_t nb = views_[i].nb, K = views_[i].k;
       const auto [i0, i1] = share(amx_num_items(TM, nb, K));
@@ -190,7 +230,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
                            float next_eps, bool quantize_after) {
     const float* wp = norm(l, post);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
+    for (int64_t t = 0; t < F; ++t) {
       float* row = src + t * ld;
       add_bias(row, std::get<7>(linears_[lin]), H);
       if (wp != nullptr) {
@@ -206,9 +246,25 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
   {
     float* my_scratch = scratch_base + scratch * omp_get_thread_num();
     if (TM > 0) amx_configure();
+    if (staged) {  // x = W_eh [enorm(x) ; hnorm(hidden)] (+ b): the layer's input and its residual
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < T; ++t) {
+        rms_norm_row(xp + t * H, nullptr, in_wo_[0].data(), H, (float)in_eps_[0], catp + t * 2 * H);
+        rms_norm_row(hsp + t * H, nullptr, in_wo_[1].data(), H, (float)in_eps_[1], catp + t * 2 * H + H);
+        quantize(catp + t * 2 * H, t, 2 * H);
+      }
+      view_blocks(in_view_[0], xep, ld_eh, T);
+#pragma omp barrier
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < T; ++t) {
+        add_bias(xep + t * ld_eh, std::get<7>(in_linear_[0]), H);
+        std::memcpy(rp + t * H, xep + t * ld_eh, H * sizeof(float));
+      }
+    }
+    const float* first = staged ? rp : xp;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t) {
-      rms_norm_row(xp + t * H, nullptr, norm(0, kIn), H, eps(0, kIn), hp + t * H);
+      rms_norm_row(first + t * H, nullptr, norm(0, kIn), H, eps(0, kIn), hp + t * H);
       quantize(hp + t * H, t, H);
     }
     for (size_t l = 0; l < L; ++l) {
@@ -217,7 +273,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
       const int64_t* sl = slots[g].data_ptr<int64_t>();
       const float *cp = cos_[l].data_ptr<float>(), *sp = sin_[l].data_ptr<float>(), *qn = norm(l, kQ), *kn = norm(l, kK);
       const int64_t half = cos_[l].size(1);
-      blocks(w, qkvp, ld_qkv);
+      blocks(w, qkvp, ld_qkv, T);
 #pragma omp barrier
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < T; ++t) {
@@ -239,20 +295,20 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
       }
 #pragma omp barrier
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < T; ++t) quantize(attp + t * qs, t, qs);
-      blocks(w + 1, op, ld_o);
+      for (int64_t t = 0; t < F; ++t) quantize(attp + t * qs, t, qs);
+      blocks(w + 1, op, ld_o, F);
 #pragma omp barrier
       residual_norm(op, ld_o, w + 1, l, kPostAttn, norm(l, kPreFfn), eps(l, kPreFfn), true);
-      blocks(w + 2, gup, ld_gu);
+      blocks(w + 2, gup, ld_gu, F);
 #pragma omp barrier
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < T; ++t) {
+      for (int64_t t = 0; t < F; ++t) {
         float* r = gup + t * ld_gu;
         add_bias(r, std::get<7>(linears_[w + 2]), 2 * I);
         act_row(r, r + I, ap + t * I, I, act_);
         quantize(ap + t * I, t, I);
       }
-      blocks(w + 3, dnp, ld_dn);
+      blocks(w + 3, dnp, ld_dn, F);
 #pragma omp barrier
       const bool last = l + 1 == L;
       residual_norm(dnp, ld_dn, w + 3, l, kPostFfn, last ? wo_[final_norm].data() : norm(l + 1, kIn),
@@ -260,5 +316,5 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
     }
     if (TM > 0) amx_release();
   }
-  return h;
+  return F == T ? h : h.narrow(0, 0, F);
 }

@@ -73,9 +73,17 @@ class DecodeStack {
   // group of layers. tiles (constructor): whether rows tile_from.. may go to AMX tiles (amx_linear.cpp: rounded to
   // bfloat16 instead of int8, each weight dequantized to bfloat16 tiles as it goes); the rows before run on the
   // blocks (tile_from < 0: every row on the blocks).
+  //
+  // An MTP draft layer's stack (one layer) may have an input stage (set_input: the embedding norm, the hidden-state
+  // norm and the projection W_eh, DeepSeek-V3 §2.2): forward with `hidden` then takes x as the embedded next tokens
+  // and computes the layer's input W_eh [enorm(x) ; hnorm(hidden)] first, as the module path does. Rows full_rows..
+  // (one layer only) stop once their K and V are cached: the K/V-only upkeep of rows whose output nobody reads; the
+  // result then has full_rows rows.
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> slots,
                         std::vector<torch::Tensor> tables, std::vector<torch::Tensor> lens, int64_t block_size,
-                        int64_t tile_from) const;
+                        int64_t tile_from, c10::optional<torch::Tensor> hidden, int64_t full_rows) const;
+  // norms: the embedding's and the hidden state's norm weights, with their eps and offsets; eh: W_eh [H, 2H]
+  void set_input(std::vector<torch::Tensor> norms, std::vector<double> eps, std::vector<double> offsets, Linear eh);
 
  private:
   const float* norm(size_t layer, Norm which) const;  // w + offset, or nullptr
@@ -92,4 +100,9 @@ class DecodeStack {
   int64_t act_;
   std::vector<torch::Tensor> cos_, sin_, k_caches_, v_caches_;
   bool tiles_;  // rows may go to AMX tiles
+  // the MTP input stage (set_input), when set: norm weights + offsets, eps, W_eh and its view
+  std::vector<std::vector<float>> in_wo_;
+  std::vector<double> in_eps_;
+  std::vector<Linear> in_linear_;
+  std::vector<QuantView> in_view_;
 };
