@@ -71,6 +71,47 @@ def test_drafting_with_the_head_keeps_greedy_tokens(tiny_with_head, quantization
     assert isinstance(draft_head, tuple) == (quantization == "int8")  # (kernels, packed int8 rows) or float rows
 
 
+def test_drafting_and_upkeep_rows_in_one_staged_call_keep_greedy_tokens(tiny_with_head, monkeypatch):
+    """Requests that draft and requests that do not in the same decode step: the staged call runs the drafting rows
+    through the whole layer and the others' rows for K and V only, each request's drafts from its own last row. The
+    drafts are those of the module path (token equality alone could not tell: verification is lossless), so every
+    draft is accepted or rejected as there."""
+    import deepinfer.worker.mtp as worker_mtp
+    import deepinfer.worker.runner as runner
+
+    path, head = tiny_with_head
+    prompts = [[5, 17, 99, 3, 120, 11, 42], list(range(1, 40)), [7], [9, 8, 7, 6]]
+    plain = LLM(path, kv_cache_memory=8 << 20, quantization="int8").generate(prompts, GREEDY, use_tqdm=False)
+    steps = iter(range(10**6))
+
+    def every_other(spec, varlen, states, **_):  # each step, every other sequence drafts (which ones alternates)
+        step = next(steps)
+        return [2 if (i + step) % 2 else 0 for i in range(len(states))]
+    monkeypatch.setattr(runner, "plan_draft_lengths", every_other)
+    staged_path = worker_mtp._staged
+    monkeypatch.setattr(worker_mtp, "_staged", lambda *args: False)
+    module_path = LLM(path, kv_cache_memory=8 << 20, speculative_method="mtp", draft=head, quantization="int8")
+    module_out = module_path.generate(prompts, GREEDY, use_tqdm=False)
+    monkeypatch.setattr(worker_mtp, "_staged", staged_path)
+    steps = iter(range(10**6))
+    spec = LLM(path, kv_cache_memory=8 << 20, speculative_method="mtp", draft=head, quantization="int8")
+    layer, stacked, staged = spec.engine.executor.model.mtp.layers[0], [], []
+    layer.decode_stack = Counted(layer.decode_stack, stacked, staged)
+    rows: list[tuple[int, int]] = []
+    staged_rows = layer.decode_stack.staged_rows
+    layer.decode_stack.staged_rows = lambda *args: rows.append((args[1].shape[0], args[-1])) or staged_rows(*args)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, GREEDY, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in plain]
+    assert any(0 < full < total for total, full in rows)  # drafting and upkeep rows in one call
+    assert [o.outputs[0].token_ids for o in module_out] == [o.outputs[0].token_ids for o in plain]
+    staged_stats, module_stats = spec.engine.stats().spec_decode, module_path.engine.stats().spec_decode
+    assert staged_stats.num_accepted_tokens > 0 and staged_stats == module_stats
+    index = layer.cache_index  # the MTP layer's cache: the same bits in every slot (the same schedule wrote both)
+    caches = [llm.engine.executor.runner.kv_caches[index] for llm in (spec, module_path)]
+    for got, want in zip(*caches):
+        assert got.abs().sum() > 0 and torch.equal(got, want)
+
+
 class Counted:
     """A layer's decode stack that records what each of its two entries returned."""
 
