@@ -14,12 +14,22 @@ def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[in
     the match predicts: a run of one token drafts k of it, not one.
     """
     length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n :]
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)  # starts 0 .. length - 1 - n
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            period = length - start
-            return [int(tokens[start + i % period]) for i in range(k)]
-    return []
+    top = min(max_n, length - 1)
+    if top < min_n:
+        return []
+    # ends of earlier occurrences of the last token (an n-gram window ends at j <= length - 2), narrowed one token
+    # further back at a time: those left at n end a match of the last n tokens, the latest one wins, longest n first
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
+    found = -1
+    for n in range(1, top + 1):
+        if n > 1:
+            ends = ends[ends >= n - 1]
+            ends = ends[tokens[ends - (n - 1)] == tokens[length - n]]
+        if not ends.size:
+            break
+        if n >= min_n:
+            found = int(ends[-1])
+    if found < 0:
+        return []
+    start = found + 1
+    return tokens[start + np.arange(k) % (length - start)].tolist()

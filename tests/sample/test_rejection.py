@@ -70,6 +70,25 @@ def test_the_chi_square_check_can_fail():
     assert chisquare_pvalue(p[::-1] * SEEDS, p * SEEDS) < ALPHA
 
 
+def _ngram_by_definition(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        starts = [s for s in range(len(tokens) - n) if tokens[s : s + n] == tokens[len(tokens) - n :]]
+        if starts:
+            start = starts[-1] + n
+            return [tokens[start + i % (len(tokens) - start)] for i in range(k)]
+    return []
+
+
+def test_ngram_drafts_match_the_definition_on_random_sequences():
+    rng = np.random.default_rng(0)
+    for trial in range(600):
+        tokens = rng.integers(0, int(rng.integers(2, 9)), size=int(rng.integers(1, 60))).tolist()
+        min_n = int(rng.integers(1, 4))
+        max_n, k = min_n + int(rng.integers(0, 4)), int(rng.integers(1, 9))
+        assert propose_ngram(np.array(tokens, dtype=np.int64), k, min_n, max_n) == \
+            _ngram_by_definition(tokens, k, min_n, max_n), (tokens, k, min_n, max_n)
+
+
 def test_ngram_finds_the_latest_earlier_match_longest_first():
     tokens = np.array([1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 1, 2, 3])
     assert propose_ngram(tokens, 3, 1, 3) == [4, 5, 6]  # "1 2 3" last seen before the end at index 5
