@@ -225,5 +225,7 @@ def _staged_drafts(model, mtp, inputs: StepInputs, hidden: torch.Tensor, emitted
         state = mtp.layer(depth + 1).decode_stack.staged_rows(kv_caches, model.model.embed_tokens(tokens), state,
                                                               positions, slots, block_tables, positions + 1,
                                                               block_size, len(rids))
+        if state is None:  # a deeper layer's stack declined: the drafts so far
+            break
     return drafts
 
