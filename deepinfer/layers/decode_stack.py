@@ -122,8 +122,7 @@ class DecodeStack:
         tile_from = self._tile_from(ctx.prompt_runs, x.shape[0])
         if tile_from is None:
             return None
-        k_cache, v_cache = ctx.kv_caches[self.cache_index[0]]
-        if k_cache.dtype not in KERNEL_CACHES or v_cache.dtype != k_cache.dtype:
+        if not self._reads(ctx.kv_caches):
             return None
         stack = self._compiled(ctx.kv_caches, ctx.layer_attn)
         mds = [ctx.attn_for(i) for i in self._group_heads]
@@ -139,13 +138,16 @@ class DecodeStack:
         """An MTP layer's decode rows from its inputs (the embedded next tokens and the main model's hidden states),
         input stage included; rows full_rows.. only cache their K and V. Their final-normed outputs [full_rows, H],
         or None where this stack cannot (no input stage, inputs not float32, a cache dtype the kernels do not read)."""
-        k_cache, v_cache = kv_caches[self.cache_index[0]]
-        if self.input_stage is None or embeds.dtype != torch.float32 or hidden.dtype != torch.float32:
-            return None
-        if k_cache.dtype not in KERNEL_CACHES or v_cache.dtype != k_cache.dtype:
+        if self.input_stage is None or embeds.dtype != torch.float32 or hidden.dtype != torch.float32 \
+                or not self._reads(kv_caches):
             return None
         return self._compiled(kv_caches, None).forward(embeds, positions, [slots], [tables], [lens], block_size, -1,
                                                        hidden, full_rows)
+
+    def _reads(self, kv_caches: list) -> bool:
+        """Whether the compiled kernels read this cache's dtype."""
+        k_cache, v_cache = kv_caches[self.cache_index[0]]
+        return k_cache.dtype in KERNEL_CACHES and v_cache.dtype == k_cache.dtype
 
     def _tile_from(self, runs: tuple[tuple[int, int], ...], rows: int) -> int | None:
         """The first row the stack computes on AMX tiles (-1: none), or None where the prompt rows are not the

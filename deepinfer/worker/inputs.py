@@ -49,6 +49,12 @@ def decode_buckets(widths: list[int], min_rows: int = 8, keep: float = 0.6) -> l
     return out
 
 
+def table_slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots of decode rows at `positions`, each row's padded block table a row of `tables`."""
+    rows = torch.arange(positions.shape[0], device=positions.device)
+    return tables[rows, torch.div(positions, block_size, rounding_mode="floor")] * block_size + positions % block_size
+
+
 def prompt_runs(requests: list[RequestRows], prompt_lens: dict[str, int]) -> tuple[tuple[int, int], ...]:
     """Runs of rows [start, end) at prompt positions (position < the request's prompt length), adjacent runs
     merged: the rows a prompt-only kernel takes (layers/quantized.py), chosen by each row's own position."""

@@ -26,7 +26,7 @@ import torch
 from deepinfer.core.kv_layout import KVLayout
 from deepinfer.ops import quant_linear
 from deepinfer.layers.context import AttentionMetadata, ForwardContext, forward_context
-from deepinfer.worker.inputs import RequestRows, StepInputs, _metadata
+from deepinfer.worker.inputs import RequestRows, StepInputs, _metadata, table_slots
 
 
 def mtp_drafts(model, mtp, inputs: StepInputs, hidden: torch.Tensor, token_ids: dict[str, list[int]],
@@ -220,11 +220,11 @@ def _staged_drafts(model, mtp, inputs: StepInputs, hidden: torch.Tensor, emitted
         keep = torch.tensor(room, dtype=torch.int64)
         rids = [rids[i] for i in room]
         state, positions, block_tables = state[keep], positions[keep], block_tables[keep]
-        slots = block_tables.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
         tokens = torch.tensor([drafts[rid][-1] for rid in rids], dtype=torch.int64, device=device)
         state = mtp.layer(depth + 1).decode_stack.staged_rows(kv_caches, model.model.embed_tokens(tokens), state,
-                                                              positions, slots, block_tables, positions + 1,
-                                                              block_size, len(rids))
+                                                              positions, table_slots(block_tables, positions,
+                                                                                     block_size),
+                                                              block_tables, positions + 1, block_size, len(rids))
         if state is None:  # a deeper layer's stack declined: the drafts so far
             break
     return drafts

@@ -16,15 +16,14 @@ from __future__ import annotations
 import torch
 
 from deepinfer.layers.context import AttentionMetadata, ForwardContext, forward_context
+from deepinfer.worker.inputs import table_slots
 
 
 def next_position(md: AttentionMetadata, positions: torch.Tensor) -> AttentionMetadata:
     """A decode-only step's metadata for the rows' next positions (`positions`: already one further)."""
-    bs = md.block_size
-    rows = torch.arange(positions.shape[0], device=positions.device)
-    slots = md.decode_block_tables[rows, torch.div(positions, bs, rounding_mode="floor")] * bs + positions % bs
+    slots = table_slots(md.decode_block_tables, positions, md.block_size)
     return AttentionMetadata(slot_mapping=slots, num_decodes=md.num_decodes, decode_block_tables=md.decode_block_tables,
-                             decode_context_lens=positions + 1, prefills=[], block_size=bs,
+                             decode_context_lens=positions + 1, prefills=[], block_size=md.block_size,
                              decode_buckets=md.decode_buckets)
 
 
