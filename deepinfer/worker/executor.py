@@ -18,7 +18,8 @@ from deepinfer.layers.moe import MoEStep, moe_step
 from deepinfer.models.loader import ModelFiles, iter_weights
 from deepinfer.ops import cpu_attention, cpu_ops
 from deepinfer.ops.cpu_ops import last_level_cache_bytes
-from deepinfer.ops.quant_linear import SplitWeight, splittable
+from deepinfer.layers.quantized import QuantizedLinear
+from deepinfer.ops.quant_linear import PackedWeight, SplitWeight, splittable
 from deepinfer.ops.wide_linear import available as amx_available
 from deepinfer.spec.mtp_head import load_head
 from deepinfer.transforms.quantize import finalize_quantized, prepare_quantized
@@ -107,10 +108,20 @@ def amx_prefill_choice(config: EngineConfig, ops, compute: Compute) -> tuple[boo
     return True, f"yes ({how}): prompt rows in bfloat16 on AMX tiles, decode rows on the quantized blocks"
 
 
-def _int8_before_load(ops, huge_pages: bool):
+def _head_mode(model) -> str:
+    """How a trained MTP head is quantized for a quantized model: int4 where every one of the model's own decoder
+    layers is at most 4-bit (the head's layer then reads as few bytes a step as one of them: on the bundled SmolLM2
+    Q4_1, `propose` 0.38 -> 0.34 ms a step and the same acceptance, doc/inference_deployment_qa.md "Stop 53"), else
+    int8."""
+    bits = [m.weight.packed.fmt.bits for m in model.modules()
+            if isinstance(m, QuantizedLinear) and not m.head and isinstance(m.weight.packed, PackedWeight)]
+    return "int4" if bits and max(bits) <= 4 else "int8"
+
+
+def _quantize_before_load(ops, mode: str, huge_pages: bool):
     """The quantization transform as load_head's hook: swaps before the weights load, packs after."""
     def prepare(mtp):
-        summary = prepare_quantized(mtp, "int8", ops)
+        summary = prepare_quantized(mtp, mode, ops)
         return lambda module: finalize_quantized(module, summary, huge_pages)
     return prepare
 
@@ -157,10 +168,11 @@ class InProcessExecutor(Executor):
                 model.mtp = None
             return
         if spec.draft is not None:
-            # a quantized model drafts with an int8 head
-            prepare = _int8_before_load(ops, self.config.huge_pages) if self.quantized and ops is not None else None
+            mode = _head_mode(model) if self.quantized and ops is not None else None  # else as the model computes
+            prepare = _quantize_before_load(ops, mode, self.config.huge_pages) if mode else None
             meta = load_head(model, spec.draft, files.hf_config, prepare)
-            logger.info("MTP head from %s (trained for %s)", spec.draft, meta.base_model)
+            logger.info("MTP head from %s (trained for %s), its layer %s", spec.draft, meta.base_model,
+                        mode or "dense")
         if getattr(model, "mtp", None) is None:
             raise ValueError("speculative_method='mtp' needs MTP layers: this checkpoint has none; train a head with "
                              "`deepinfer train-mtp` and pass draft=PATH (--speculative-draft)")

@@ -9,6 +9,7 @@ import transformers
 
 from deepinfer import SamplingParams
 from deepinfer.layers.context import forward_context
+from deepinfer.layers.quantized import QuantizedLinear
 from deepinfer.llm import LLM
 from deepinfer.spec.mtp import contiguous_context
 from deepinfer.spec.train_mtp import TrainConfig, split_by_prompt, train
@@ -51,7 +52,7 @@ def test_train_mtp_writes_a_head_for_its_model(tiny_with_head):
     assert len(meta["draft_vocab"]) == 64 and meta["draft_vocab"] == sorted(set(meta["draft_vocab"]))
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])  # int8: the draft head's rows run on the int8 kernel
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])  # quantized: the draft head's rows on the int8 kernel
 def test_drafting_with_the_head_keeps_greedy_tokens(tiny_with_head, quantization):
     path, head = tiny_with_head
     prompts = [[5, 17, 99, 3, 120, 11, 42], list(range(1, 40)), [7]]
@@ -59,16 +60,20 @@ def test_drafting_with_the_head_keeps_greedy_tokens(tiny_with_head, quantization
     spec = LLM(path, kv_cache_memory=8 << 20, speculative_method="mtp", draft=head, enable_mtp_varlen=False,
                quantization=quantization)
     layer, stacked, staged = spec.engine.executor.model.mtp.layers[0], [], []
-    assert (layer.decode_stack is not None) == (quantization == "int8")
+    quantized = quantization is not None
+    assert (layer.decode_stack is not None) == quantized
+    # the head's layer as wide as the model's own layers: 4-bit under int4, 8-bit under int8
+    assert {m.weight.packed.fmt.bits for m in layer.modules() if isinstance(m, QuantizedLinear)} == \
+        ({4} if quantization == "int4" else {8} if quantized else set())
     if layer.decode_stack is not None:  # count the depths that ran through it, from the module or staged
         layer.decode_stack = Counted(layer.decode_stack, stacked, staged)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, GREEDY, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in plain]
-    assert (sum(out is not None for out in stacked) > 0) == (quantization == "int8")
-    assert (sum(out is not None for out in staged) > 0) == (quantization == "int8")
+    assert (sum(out is not None for out in stacked) > 0) == quantized
+    assert (sum(out is not None for out in staged) > 0) == quantized
     assert spec.engine.stats().spec_decode.num_draft_tokens > 0
     draft_head = spec.engine.executor.model.mtp._draft_head
-    assert isinstance(draft_head, tuple) == (quantization == "int8")  # (kernels, packed int8 rows) or float rows
+    assert isinstance(draft_head, tuple) == quantized  # (kernels, packed int8 rows) or float rows
 
 
 def test_drafting_and_upkeep_rows_in_one_staged_call_keep_greedy_tokens(tiny_with_head, monkeypatch):
