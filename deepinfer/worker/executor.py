@@ -15,10 +15,10 @@ from deepinfer.config import Compute, EngineConfig
 from deepinfer.core.kv_layout import KVCacheSpec, KVLayout
 from deepinfer.core.plan import StepPlan, StepResult
 from deepinfer.layers.moe import MoEStep, moe_step
+from deepinfer.layers.quantized import QuantizedLinear
 from deepinfer.models.loader import ModelFiles, iter_weights
 from deepinfer.ops import cpu_attention, cpu_ops
 from deepinfer.ops.cpu_ops import last_level_cache_bytes
-from deepinfer.layers.quantized import QuantizedLinear
 from deepinfer.ops.quant_linear import PackedWeight, SplitWeight, splittable
 from deepinfer.ops.wide_linear import available as amx_available
 from deepinfer.spec.mtp_head import load_head
