@@ -52,8 +52,12 @@ def load_head(model: torch.nn.Module, directory: str, hf_config: dict, prepare=N
     weights, meta_path = os.path.join(directory, WEIGHTS), os.path.join(directory, META)
     if not (os.path.isfile(weights) and os.path.isfile(meta_path)):
         raise ValueError(f"{directory!r} holds no MTP head ({WEIGHTS} and {META}); train one with deepinfer train-mtp")
-    with open(meta_path) as f:
-        meta = MTPHeadMeta(**json.load(f))
+    try:
+        with open(meta_path) as f:
+            meta = MTPHeadMeta(**json.load(f))
+    except (ValueError, TypeError) as exc:  # not JSON, or not the fields train-mtp writes
+        raise ValueError(f"the MTP head's {META} in {directory!r} cannot be read ({exc}); train the head again with "
+                         f"deepinfer train-mtp") from exc
     wanted = (hf_config["hidden_size"], hf_config["vocab_size"], hf_config["num_hidden_layers"])
     if (meta.hidden_size, meta.vocab_size, meta.num_hidden_layers) != wanted:
         raise ValueError(f"the MTP head in {directory!r} was trained for {meta.base_model} (hidden "
@@ -66,7 +70,12 @@ def load_head(model: torch.nn.Module, directory: str, hf_config: dict, prepare=N
     finalize = prepare(mtp) if prepare is not None else None
     layer = mtp.layers[0]
     loaders = checkpoint_loaders(layer, model.stacked)
-    seen = load_tensors(loaders, load_file(weights).items(), lambda name: False, "the MTP head")
+    try:
+        tensors = load_file(weights)
+    except Exception as exc:  # safetensors' own error for a truncated or corrupt file
+        raise ValueError(f"the MTP head's weights {weights!r} cannot be read ({type(exc).__name__}: {exc}); train the "
+                         f"head again with deepinfer train-mtp") from exc
+    seen = load_tensors(loaders, tensors.items(), lambda name: False, "the MTP head")
     check_complete(loaders, seen)
     if finalize is not None:
         finalize(mtp)

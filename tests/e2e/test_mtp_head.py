@@ -177,6 +177,20 @@ def test_a_head_for_another_model_is_refused(tiny_with_head):
         LLM(kv_cache_memory=8 << 20, speculative_method="mtp", draft=head)
 
 
+def test_a_corrupt_head_is_refused_with_its_file_named(tiny_with_head, tmp_path):
+    path, head = tiny_with_head
+    broken = tmp_path / "head"
+    broken.mkdir()
+    (broken / "mtp.json").write_text(open(os.path.join(head, "mtp.json")).read())
+    (broken / "mtp.safetensors").write_bytes(b"\xff" * 1000)  # a header length past the file's end
+    with pytest.raises(ValueError, match="mtp.safetensors.*cannot be read"):
+        LLM(path, kv_cache_memory=8 << 20, speculative_method="mtp", draft=str(broken))
+    (broken / "mtp.safetensors").write_bytes(open(os.path.join(head, "mtp.safetensors"), "rb").read())
+    (broken / "mtp.json").write_text("{not json")
+    with pytest.raises(ValueError, match="mtp.json.*cannot be read"):
+        LLM(path, kv_cache_memory=8 << 20, speculative_method="mtp", draft=str(broken))
+
+
 def test_a_step_limit_below_one_is_refused():
     with pytest.raises(ValueError, match="max_steps must be at least 1"):
         TrainConfig(max_steps=0)
