@@ -45,6 +45,7 @@ def load_head(model: torch.nn.Module, directory: str, hf_config: dict, prepare=N
     """Builds the model's MTP layer (model.build_mtp()), loads the head into it and attaches it as model.mtp.
     prepare(mtp) runs before the weights load (the quantization transform); finalize(mtp) after, if it returns
     one."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from deepinfer.models.weights import check_complete, checkpoint_loaders, load_tensors
@@ -72,7 +73,7 @@ def load_head(model: torch.nn.Module, directory: str, hf_config: dict, prepare=N
     loaders = checkpoint_loaders(layer, model.stacked)
     try:
         tensors = load_file(weights)
-    except Exception as exc:  # safetensors' own error for a truncated or corrupt file
+    except (SafetensorError, OSError) as exc:  # a truncated or corrupt file
         raise ValueError(f"the MTP head's weights {weights!r} cannot be read ({type(exc).__name__}: {exc}); train the "
                          f"head again with deepinfer train-mtp") from exc
     seen = load_tensors(loaders, tensors.items(), lambda name: False, "the MTP head")
