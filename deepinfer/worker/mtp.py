@@ -213,8 +213,9 @@ def _staged_drafts(model, mtp, inputs: StepInputs, hidden: torch.Tensor, emitted
         for rid, token in zip(rids, _greedy_drafts(model, mtp, state, batch_invariant)):
             drafts[rid].append(token)
         positions = positions + 1
+        next_pos = positions.tolist()
         room = [i for i, rid in enumerate(rids) if len(drafts[rid]) < lengths[rid]
-                and int(positions[i]) < len(tables[rid][0]) * block_size]
+                and next_pos[i] < len(tables[rid][0]) * block_size]
         if not room:
             break
         keep = torch.tensor(room, dtype=torch.int64)
@@ -228,4 +229,3 @@ def _staged_drafts(model, mtp, inputs: StepInputs, hidden: torch.Tensor, emitted
         if state is None:  # a deeper layer's stack declined: the drafts so far
             break
     return drafts
-

@@ -11,6 +11,7 @@ from deepinfer import SamplingParams
 from deepinfer.layers.context import forward_context
 from deepinfer.layers.quantized import QuantizedLinear
 from deepinfer.llm import LLM
+from deepinfer.ops import cpu_ops
 from deepinfer.spec.mtp import contiguous_context
 from deepinfer.spec.train_mtp import TrainConfig, split_by_prompt, train
 
@@ -27,6 +28,7 @@ def tiny_with_head(tmp_path_factory):
                                       tie_word_embeddings=True)
     path = tmp_path_factory.mktemp("tiny-llama")
     save_tiny(transformers.LlamaForCausalLM, config, path, seed=5)
+    cpu_ops.load()  # built before the timed run: a cold build (~1 min) would eat the training budget
     head = train(str(path), str(tmp_path_factory.mktemp("head")),
                  TrainConfig(num_prompts=24, gen_tokens=48, minutes=1.5, max_steps=200, threads=1,
                              draft_vocab=64))

@@ -14,6 +14,14 @@ inline std::pair<int64_t, int64_t> share(int64_t n) {
   return {n * t / nt, n * (t + 1) / nt};
 }
 
+// A norm's float32 weights with its offset added (Gemma's 1 + w), as the rows read them.
+inline std::vector<float> offset_weights(const torch::Tensor& weight, double offset) {
+  const auto w = weight.contiguous();
+  std::vector<float> wo(w.numel());
+  for (int64_t j = 0; j < w.numel(); ++j) wo[j] = w.data_ptr<float>()[j] + (float)offset;
+  return wo;
+}
+
 inline void add_bias(float* row, const c10::optional<torch::Tensor>& bias, int64_t n) {
   if (!bias.has_value() || !bias->defined()) return;
   const float* b = bias->data_ptr<float>();
@@ -40,11 +48,8 @@ DecodeStack::DecodeStack(std::vector<Linear> linears, std::vector<torch::Tensor>
   kv_heads_ = shape[1];
   head_dim_ = shape[2];
   for (size_t i = 0; i < norms.size(); ++i) {
-    auto w = norms[i].contiguous();
-    TORCH_CHECK(w.scalar_type() == torch::kFloat, "DecodeStack: norm weights must be float32");
-    std::vector<float> wo(w.numel());
-    for (int64_t j = 0; j < w.numel(); ++j) wo[j] = w.data_ptr<float>()[j] + (float)offsets[i];
-    wo_.push_back(std::move(wo));
+    TORCH_CHECK(norms[i].scalar_type() == torch::kFloat, "DecodeStack: norm weights must be float32");
+    wo_.push_back(offset_weights(norms[i], offsets[i]));
   }
   for (int64_t i : norm_index_) TORCH_CHECK(i >= -1 && i < (int64_t)wo_.size(), "DecodeStack: bad norm index");
   TORCH_CHECK(norm_index_.back() >= 0, "DecodeStack: the final norm is required");
@@ -87,12 +92,9 @@ void DecodeStack::set_input(std::vector<torch::Tensor> norms, std::vector<double
   TORCH_CHECK(std::get<6>(eh) == H, "DecodeStack: W_eh must have ", H, " output features");
   in_wo_.clear();
   for (size_t i = 0; i < 2; ++i) {
-    auto w = norms[i].contiguous();
-    TORCH_CHECK(w.scalar_type() == torch::kFloat && w.numel() == H, "DecodeStack: input norms must be float32 [",
-                H, "]");
-    std::vector<float> wo(H);
-    for (int64_t j = 0; j < H; ++j) wo[j] = w.data_ptr<float>()[j] + (float)offsets[i];
-    in_wo_.push_back(std::move(wo));
+    TORCH_CHECK(norms[i].scalar_type() == torch::kFloat && norms[i].numel() == H,
+                "DecodeStack: input norms must be float32 [", H, "]");
+    in_wo_.push_back(offset_weights(norms[i], offsets[i]));
   }
   const auto& b = std::get<7>(eh);
   TORCH_CHECK(!b.has_value() || !b->defined() || (b->scalar_type() == torch::kFloat && b->is_contiguous()),
