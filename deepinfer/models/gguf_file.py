@@ -114,16 +114,27 @@ class _Cursor:
     def __init__(self, buf: mmap.mmap, path: str) -> None:
         self.buf, self.pos, self.path = buf, 0, path
 
+    def need(self, size: int) -> None:
+        """Raises unless `size` more bytes follow the cursor (a header cut short, or a length no file could hold)."""
+        if self.pos + size > len(self.buf):
+            raise ValueError(f"GGUF file {self.path!r} is truncated or corrupt: {size} bytes wanted at byte "
+                             f"{self.pos} of {len(self.buf)}")
+
     def unpack(self, fmt: str) -> Any:
         size = struct.calcsize(fmt)
-        if self.pos + size > len(self.buf):
-            raise ValueError(f"GGUF file {self.path!r} is truncated at byte {self.pos}")
+        self.need(size)
         (value,) = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += size
         return value
 
+    def skip_string(self) -> None:
+        n = self.unpack("<Q")
+        self.need(n)
+        self.pos += n
+
     def string(self) -> str:
         n = self.unpack("<Q")
+        self.need(n)
         raw = self.buf[self.pos : self.pos + n]
         self.pos += n
         return raw.decode("utf-8", errors="replace")
@@ -138,12 +149,13 @@ class _Cursor:
         etype, n = self.unpack("<I"), self.unpack("<Q")
         if etype in _NUMPY_TYPES:
             dt = np.dtype(_NUMPY_TYPES[etype])
+            self.need(n * dt.itemsize)
             values = np.frombuffer(self.buf, dtype=dt, count=n, offset=self.pos).tolist()
             self.pos += n * dt.itemsize
             return values
         if etype == _STRING and n > _MAX_DECODED_STRINGS:
             for _ in range(n):
-                self.pos += struct.unpack_from("<Q", self.buf, self.pos)[0] + 8
+                self.skip_string()
             return StringArray(n)
         return [self.value(etype) for _ in range(n)]
 

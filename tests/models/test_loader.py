@@ -177,6 +177,26 @@ def test_non_gguf_files_are_named(tmp_path) -> None:
         resolve_model_path(str(fake))
 
 
+def test_a_truncated_or_corrupt_gguf_header_is_named(tmp_path) -> None:
+    """The bundled file cut inside its header (the version, the metadata, the 49,152 token strings skipped unread,
+    the token scores array, the tensor table) or with a string length no file could hold: a ValueError naming the
+    file, never struct's or numpy's bare buffer errors."""
+    from deepinfer.models.gguf_file import read_gguf
+
+    whole = open(resolve_model_path(None), "rb").read(4 << 20)
+    header = read_gguf(resolve_model_path(None))
+    data_start = min(t.offset for t in header.tensors)
+    for cut in (6, 30, 5_000, 300_000, 900_000, data_start - 100):
+        path = tmp_path / f"cut{cut}.gguf"
+        path.write_bytes(whole[:cut])
+        with pytest.raises(ValueError, match=f"cut{cut}.gguf.*truncated or corrupt"):
+            read_gguf(str(path))
+    path = tmp_path / "long_key.gguf"  # the first key's length field (after magic, version, counts) set huge
+    path.write_bytes(whole[:24] + (2**62).to_bytes(8, "little") + whole[32:4096])
+    with pytest.raises(ValueError, match="long_key.gguf.*truncated or corrupt"):
+        read_gguf(str(path))
+
+
 def test_missing_packages_name_the_install_command(monkeypatch, tmp_path) -> None:
     real = importlib.util.find_spec
     hidden = {loader.DEFAULT_MODEL_PACKAGE, loader.GEMMA3_270M_PACKAGE}
