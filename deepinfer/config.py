@@ -279,6 +279,11 @@ class EngineConfig:
     # on the CPU); True where it cannot run is an error
     amx_prefill: bool | None = None
 
+    def __post_init__(self) -> None:
+        n = self.num_threads
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"num_threads must be an integer >= 1 (None: torch's default), got {n!r}")
+
     @classmethod
     def from_kwargs(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> EngineConfig:
         """Builds the config from flat keyword arguments (the LLM / CLI surface) and the environment."""

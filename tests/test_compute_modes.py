@@ -48,3 +48,13 @@ def test_impossible_combinations_are_refused(options, fmt, cuda, message):
 def test_bad_options_fail_at_config_time(options, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig(**options)
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True, "2"])
+def test_a_thread_count_that_is_not_a_positive_integer_is_refused(threads):
+    """Before this check -1 reached torch.set_num_threads (a bare RuntimeError) and 0 silently meant the default."""
+    from deepinfer.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"num_threads must be an integer >= 1.*got {threads!r}"):
+        EngineConfig.from_kwargs(model=None, num_threads=threads)
+    assert EngineConfig.from_kwargs(model=None, num_threads=2).num_threads == 2
