@@ -131,8 +131,8 @@ class SchedulerConfig:
     # KV store lookups and loads in the background: the step never waits for the store (core/kv_loading.py)
     async_kv_loads: bool = True
     # overlap scheduling: plan step N+1 and process step N's outputs while step N+1 computes (engine/overlap.py);
-    # steps that need step N's tokens to plan (grammar masks, drafts) and KV store / hand-off / expert-parallel
-    # engines run one step at a time. None: off; it measured slower on the CPU and on CUDA, where the two threads
+    # steps after a grammar's jump-forward, and speculative / KV store / hand-off / expert-parallel engines run one
+    # step at a time (a grammar mask waits, in the worker, for the token in flight). None: off; it measured slower on the CPU and on CUDA, where the two threads
     # contend for the GIL (doc/inference_deployment_qa.md).
     async_scheduling: bool | None = None
     # sequences that may wait at once; the server answers 503 + Retry-After past it. None: derived from the KV

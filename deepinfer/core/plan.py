@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,43 @@ class KVPull:
     block_ids: list[int]  # where each goes in this engine's cache
 
 
+class LateMasks:
+    """Overlap scheduling with structured output: the grammar masks of a step planned while the step before it still
+    computes, for the constrained requests whose previous token that step samples. The engine thread fills them once
+    it has fed those tokens to the grammars (engine/engine.py `_finish`); the worker waits for them after its forward,
+    before sampling. `voided`: rows not to sample at all (the request finished, or its grammar appended tokens without
+    a model step, which the next step computes first, or allows no token at all)."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        self.request_ids = request_ids
+        self._ready = threading.Event()
+        self._masks: dict[str, Any] = {}
+        self._voided: frozenset[str] = frozenset()
+        self._error: str | None = None
+
+    def fill(self, masks: dict[str, Any], voided: Collection[str]) -> None:
+        self._masks, self._voided = masks, frozenset(voided)
+        self._ready.set()
+
+    def cancel(self, why: str) -> None:
+        """Releases a worker waiting for masks that will not come (the engine dropped the step): it raises. Masks
+        already filled stand (fill and cancel both run on the engine thread)."""
+        if not self._ready.is_set():
+            self._error = why
+            self._ready.set()
+
+    # how long the worker waits after its forward (milliseconds in practice; past it the step fails, never hangs)
+    TIMEOUT_S = 60.0
+
+    def wait(self, timeout: float = TIMEOUT_S) -> tuple[dict[str, Any], frozenset[str]]:
+        if not self._ready.wait(timeout):
+            raise RuntimeError(f"overlap scheduling: the grammar masks of a step planned ahead did not arrive within "
+                               f"{timeout:g} s")
+        if self._error is not None:
+            raise RuntimeError(f"overlap scheduling: step dropped before its grammar masks were filled ({self._error})")
+        return self._masks, self._voided
+
+
 @dataclass
 class StepPlan:
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -70,6 +108,7 @@ class StepPlan:
     # and tokens the engine appended without a model step (grammar jump-forward) that the worker must learn
     grammar_masks: dict[str, Any] = field(default_factory=dict)
     appended_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    late_masks: LateMasks | None = None  # overlap scheduling: masks that wait for the step before's tokens
     # KV store work, in block-chain order. Loads fill blocks before the forward; their tokens already
     # count in num_computed_tokens. Saves copy blocks this step's forward fills, after it.
     kv_loads: dict[str, list[KVBlockRef]] = field(default_factory=dict)

@@ -12,7 +12,7 @@ import torch
 from deepinfer.config import EngineConfig, resolve_compute
 from deepinfer.core.kv_layout import layout_from_specs
 from deepinfer.core.kv_manager import KVCacheManager
-from deepinfer.core.plan import StepPlan, StepResult
+from deepinfer.core.plan import LateMasks, StepPlan, StepResult
 from deepinfer.core.request import Request
 from deepinfer.core.scheduler import Scheduler
 from deepinfer.engine.handoff import EngineHandoff, KVTransferParams
@@ -100,14 +100,17 @@ class Engine:
         self.eos_token_ids = self._eos_ids()
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self._appended: dict[str, list[int]] = {}  # jump-forward tokens the worker has not seen yet
+        self.late_mask_steps = 0  # overlap scheduling: steps whose grammar masks waited for the step before's tokens
+        self.late_mask_voided = 0  # ... and their rows left unsampled (finished, jump-forward, dead end)
         self._states: dict[str, RequestState] = {}
         self._children: dict[str, tuple[str, int]] = {}
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self.step_times = StepTimes()  # cumulative; see engine/timing.py
         self._spec_counts: dict[str, dict[int, tuple[int, int]]] = {}  # request -> sequence -> (drafted, accepted)
-        logger.info("overlap scheduling: %s", "on (the next step is planned while one computes; steps with "
-                    "structured output run one at a time)" if not blockers else "off: " + "; ".join(blockers))
+        logger.info("overlap scheduling: %s", "on (the next step is planned while one computes; a constrained "
+                    "request's grammar mask follows once its last token is known)" if not blockers
+                    else "off: " + "; ".join(blockers))
         logger.info(
             "loaded %s (%s, %s) in %.1fs; KV cache (%s): %d blocks x %d tokens x %d layers (%.1f MiB); one sequence "
             "fits %d tokens; max_model_len %d",
@@ -231,7 +234,12 @@ class Engine:
         if self._can_overlap():
             pipeline.submit(self.executor.execute, *self._plan())
         done, result = pipeline.take()
-        return self._finish(done.plan, result, done.failed)
+        try:
+            outputs = self._finish(done.plan, result, done.failed)
+        except BaseException:
+            pipeline.cancel_late_masks("the step before it could not be applied")
+            raise
+        return outputs + self._fill_late_masks()
 
     @property
     def overlap_scheduling(self) -> bool:
@@ -239,39 +247,61 @@ class Engine:
         return self._pipeline is not None
 
     def _can_overlap(self) -> bool:
-        """Whether the next step can be planned before the one in flight returns its tokens."""
-        return not self.structured and not self._appended and not self.handoff.busy
+        """Whether the next step can be planned before the one in flight returns its tokens (not while tokens a
+        grammar appended wait to be computed first)."""
+        return not self._appended and not self.handoff.busy
 
-    def _plan(self) -> tuple[StepPlan, list[str]]:
+    def _plan(self) -> tuple[StepPlan, list[RequestOutput]]:
+        """The next step's plan, and the outputs of requests that fail before it (a grammar that allows no token)."""
         clock = time.perf_counter()
         self.handoff.before_step(idle=not self._states)
         plan = self.scheduler.schedule()
-        failed: list[str] = []
-        if self.structured:
-            plan.grammar_masks = self.structured.masks(plan)
-            failed = self.structured.dead_ends(plan.grammar_masks)
-            if failed:  # those sequences end with an error; everyone else's step goes on
-                plan = plan.without(failed)
+        failed: list[RequestOutput] = []
+        if self.structured:  # a request whose token is still in flight gets its mask once it is known
+            late = [rid for rid in plan.sample_ids
+                    if self.structured.has(rid) and self.scheduler.requests[rid].num_placeholders]
+            plan.grammar_masks = self.structured.masks(plan, skip=late)
+            dead = self.structured.dead_ends(plan.grammar_masks)
+            if dead:  # those sequences end with an error now (no later plan, ahead or not, holds them); everyone
+                # else's step goes on
+                plan = plan.without(dead)
+                failed = [self._fail(rid) for rid in dead if rid in self._children]
+            if late:
+                plan.late_masks = LateMasks(late)
+                self.late_mask_steps += 1
         plan.appended_token_ids, self._appended = self._appended, {}
         self._lap("schedule", clock)
         return plan, failed
 
-    def _finish(self, plan: StepPlan, result: StepResult, failed: list[str]) -> list[RequestOutput]:
+    def _finish(self, plan: StepPlan, result: StepResult, failed: list[RequestOutput]) -> list[RequestOutput]:
         """Applies a step's result: scheduler, grammars, outputs."""
         for phase, seconds in result.timings.items():
             self.step_times.add(phase, seconds)
         clock = time.perf_counter()
         advanced = self.handoff.after_update(self.scheduler.update(plan, result), result)
         if self.structured:
-            self._advance_grammars(advanced, result)
+            self._appended.update(self.structured.advance(advanced, result.sampled, self.scheduler))
         clock = self._lap("update", clock)
         self.step_times.steps += 1
-        outputs = self._outputs(advanced, result) + [self._fail(rid) for rid in failed if rid in self._children]
+        outputs = self._outputs(advanced, result) + failed
         self.handoff.finish_outputs(outputs)
         self._lap("output", clock)
         if self.scheduler.has_pending_saves() and not self.scheduler.has_unfinished():
             self.executor.execute(self.scheduler.schedule())  # idle now: hand finished tails to the KV store
         return outputs
+
+    def _fill_late_masks(self) -> list[RequestOutput]:
+        """Overlap scheduling: fills the late masks of the step in flight (StructuredOutputs.late_masks); a request
+        whose grammar allows no token fails now (its output is returned), so that no later plan holds it."""
+        step = self._pipeline.in_flight[0] if self._pipeline.in_flight else None
+        if step is None or step.plan.late_masks is None:
+            return []
+        masks, voided, dead = self.structured.late_masks(step.plan.late_masks.request_ids, self.scheduler,
+                                                         self._appended)
+        failed = [self._fail(rid) for rid in dead if rid in self._children]
+        self.late_mask_voided += len(voided)
+        step.plan.late_masks.fill(masks, voided)
+        return failed
 
     def _fail(self, child_id: str) -> RequestOutput:
         """Ends the whole request of a sequence that cannot continue: its output carries the error."""
@@ -335,29 +365,6 @@ class Engine:
             outputs.append(state.to_output())
         return outputs
 
-    def _advance_grammars(self, advanced, result) -> None:
-        """Feeds sampled tokens to each grammar; a finished grammar ends its request with "stop";
-        tokens the grammar forces are appended without a model step (jump-forward)."""
-        for request in advanced:
-            rid = request.request_id
-            sampled = result.sampled.get(rid, [])
-            if request.is_finished or not sampled:
-                continue
-            terminated, forced = self.structured.accept(rid, sampled)
-            if forced:
-                appended = self.scheduler.append_tokens(rid, forced)
-                self.structured.rollback(rid, len(forced) - appended)
-                self.structured.jump_forward_tokens += appended
-                if not request.is_finished:
-                    self._appended[rid] = forced[:appended]
-            if terminated and not request.is_finished:
-                self.scheduler.finish(rid, "stop")
-            elif not request.is_finished and len(request.output_token_ids) < request.params.min_tokens \
-                    and self.structured.only_stop_allowed(rid):
-                # min_tokens would suppress the only tokens the grammar allows (the sampler then fails the
-                # whole step); the grammar wins, so the output stays valid
-                self.scheduler.finish(rid, "stop")
-
     def close(self) -> None:
         """Lets queued KV store saves finish (a few seconds at most) and closes the store (that also runs at exit);
         shuts the executor down."""
@@ -365,6 +372,7 @@ class Engine:
             self._close_kv_store()
         self.handoff.close()
         if self._pipeline is not None:
+            self._pipeline.cancel_late_masks("the engine closed")
             self._pipeline.call(self.executor.shutdown)  # queued behind any step still in flight
             self._pipeline.close()
         else:

@@ -10,10 +10,16 @@ will sample as a placeholder (core/scheduler.py `_apply_ahead`); the worker fill
 sampled itself, so a request's next step needs nothing from the engine thread. Outputs are the same tokens as one
 step at a time: the plans differ only in which rows share a step, and every row's result depends on that row alone.
 
+Structured output overlaps too: the next step's grammar mask needs the token in flight, but only when it samples,
+after its forward. The plan carries the request as `late` (core/plan.py LateMasks); the engine thread feeds the token
+to the grammar as it applies the step before, then fills the mask, while the worker computes the forward, and the
+worker waits for it before sampling. Where the grammar then appends tokens without a model step (jump-forward), ends
+the request or allows no token, the row is not sampled and the next step is planned after its tokens are known, as
+one step at a time would: the same tokens.
+
 What cannot be planned before the previous step's tokens are known runs one step at a time: speculative decoding
-(how many drafts are accepted decides the next positions), structured output (the next grammar mask needs the last
-token), a KV store (a save names its block by the tokens in it), prefill/decode hand-offs and expert-parallel ranks
-(their executor is driven from the engine thread too).
+(how many drafts are accepted decides the next positions), a KV store (a save names its block by the tokens in it),
+prefill/decode hand-offs and expert-parallel ranks (their executor is driven from the engine thread too).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.core.plan import StepPlan, StepResult
+from deepinfer.outputs import RequestOutput
 
 T = TypeVar("T")
 logger = logging.getLogger("deepinfer")
@@ -36,7 +43,7 @@ logger = logging.getLogger("deepinfer")
 @dataclass
 class InFlight:
     plan: StepPlan
-    failed: list[str]  # constrained sequences dropped from the plan (their grammar allows no token)
+    failed: list[RequestOutput]  # requests that failed as it was planned (a grammar that allows no token)
     future: Future
 
 
@@ -94,7 +101,7 @@ class StepPipeline:
     def call(self, fn: Callable[..., T], *args) -> T:
         return self._pool.submit(fn, *args).result()
 
-    def submit(self, execute: Callable[[StepPlan], StepResult], plan: StepPlan, failed: list[str]) -> None:
+    def submit(self, execute: Callable[[StepPlan], StepResult], plan: StepPlan, failed: list[RequestOutput]) -> None:
         self.in_flight.append(InFlight(plan, failed, self._pool.submit(execute, plan)))
 
     def take(self) -> tuple[InFlight, StepResult]:
@@ -107,7 +114,15 @@ class StepPipeline:
             self.drop_all()
             raise
 
+    def cancel_late_masks(self, why: str) -> None:
+        """Releases the steps in flight still waiting for grammar masks (they fail with `why`) before they are waited
+        for: the engine thread that would fill them will not."""
+        for step in self.in_flight:
+            if step.plan.late_masks is not None:
+                step.plan.late_masks.cancel(why)
+
     def drop_all(self) -> None:
+        self.cancel_late_masks("a step before it failed")
         while self.in_flight:
             self.in_flight.popleft().future.exception()  # waits; its error, if any, is the first one's echo
 

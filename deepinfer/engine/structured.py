@@ -1,5 +1,6 @@
 """Structured output, the engine half: compile at admission, one grammar matcher per sequence,
-masks for the sequences that sample this step, advance on accepted tokens, jump-forward."""
+masks for the sequences that sample this step (or, with overlap scheduling, once their token in flight is known),
+advance on accepted tokens, jump-forward."""
 from __future__ import annotations
 
 import threading
@@ -8,6 +9,8 @@ from typing import Any
 import torch
 
 from deepinfer.core.plan import StepPlan
+from deepinfer.core.request import Request, RequestStatus
+from deepinfer.core.scheduler import Scheduler
 
 
 class StructuredOutputs:
@@ -46,14 +49,22 @@ class StructuredOutputs:
     def __bool__(self) -> bool:
         return bool(self._matchers)
 
-    def masks(self, plan: StepPlan) -> dict[str, torch.Tensor | list[torch.Tensor]]:
-        """Allowed-token masks for constrained sequences that sample a token this step. A sequence with speculative
-        drafts gets one mask per verified row; its drafts are cut at the first one the grammar refuses (the plan's
-        token count with them), and the matcher is rolled back to where it was."""
+    def has(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def allowed(self, request_id: str) -> torch.Tensor | None:
+        """The request's allowed-token mask now (None: not constrained, or no longer)."""
+        matcher = self._matchers.get(request_id)
+        return None if matcher is None else matcher.allowed_mask()
+
+    def masks(self, plan: StepPlan, skip: list[str] = ()) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+        """Allowed-token masks for constrained sequences that sample a token this step (but `skip`). A sequence with
+        speculative drafts gets one mask per verified row; its drafts are cut at the first one the grammar refuses
+        (the plan's token count with them), and the matcher is rolled back to where it was."""
         masks: dict[str, torch.Tensor | list[torch.Tensor]] = {}
         for rid in plan.sample_ids:
             matcher = self._matchers.get(rid)
-            if matcher is None:
+            if matcher is None or rid in skip:
                 continue
             drafts = plan.spec_token_ids.get(rid)
             if not drafts:
@@ -110,3 +121,48 @@ class StructuredOutputs:
                 break
             accepted.append(token)
         return matcher.is_terminated(), accepted
+
+    def advance(self, advanced: list[Request], sampled: dict[str, list[int]],
+                scheduler: Scheduler) -> dict[str, list[int]]:
+        """Feeds a step's sampled tokens to each grammar; a finished grammar ends its request with "stop"; tokens the
+        grammar forces are appended without a model step (jump-forward): returned per request, for the worker."""
+        appended_now: dict[str, list[int]] = {}
+        for request in advanced:
+            rid = request.request_id
+            tokens = sampled.get(rid, [])
+            if request.is_finished or not tokens:
+                continue
+            terminated, forced = self.accept(rid, tokens)
+            if forced:
+                appended = scheduler.append_tokens(rid, forced)
+                self.rollback(rid, len(forced) - appended)
+                self.jump_forward_tokens += appended
+                if not request.is_finished:
+                    appended_now[rid] = forced[:appended]
+            if terminated and not request.is_finished:
+                scheduler.finish(rid, "stop")
+            elif not request.is_finished and len(request.output_token_ids) < request.params.min_tokens \
+                    and self.only_stop_allowed(rid):
+                # min_tokens would suppress the only tokens the grammar allows (the sampler then fails the
+                # whole step); the grammar wins, so the output stays valid
+                scheduler.finish(rid, "stop")
+        return appended_now
+
+    def late_masks(self, request_ids: list[str], scheduler: Scheduler,
+                   appended: dict[str, list[int]]) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+        """Overlap scheduling: the masks of a step in flight for requests whose previous token was in flight when it
+        was planned, now that their grammars have it (core/plan.py LateMasks): (masks, rows not to sample, dead
+        ends). A row is not sampled where its request no longer runs, its grammar appended tokens (the next step
+        computes those first, as one step at a time would) or allows no token (a dead end: the request fails)."""
+        masks, voided, dead = {}, [], []
+        for rid in request_ids:
+            request = scheduler.requests.get(rid)
+            running = request is not None and request.status is RequestStatus.RUNNING and rid not in appended
+            mask = self.allowed(rid) if running else None
+            if mask is not None and bool(mask.any()):
+                masks[rid] = mask
+                continue
+            voided.append(rid)
+            if mask is not None:
+                dead.append(rid)
+        return masks, voided, dead

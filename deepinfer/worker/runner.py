@@ -228,11 +228,16 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions)
         self._prompt_logprobs(inputs.requests, hidden, result)
         sampling = [r for r in inputs.requests if r.samples]
+        masks = plan.grammar_masks
+        if plan.late_masks is not None:  # overlap scheduling: masks filled once the step before's tokens are known
+            late, voided = plan.late_masks.wait()
+            masks = {**masks, **late}
+            sampling = [r for r in sampling if r.request_id not in voided]
         if sampling:
             rows = torch.tensor([r.first_row + r.num_known - 1 + i for r in sampling for i in range(1 + len(r.drafts))],
                                 device=self.device)
             # plain greedy rows only: the head's argmax straight from its weights where the model can (no logits)
-            plain = self._argmax_only(sampling, plan.grammar_masks)
+            plain = self._argmax_only(sampling, masks)
             tokens = self.model.greedy_tokens(hidden[rows]) if plain else None
             if tokens is not None:
                 clock = _lap(result, "forward", clock)  # the head and its argmax in one op
@@ -240,7 +245,7 @@ class ModelRunner:
             else:
                 logits = self.model.compute_logits(hidden[rows])
                 clock = _lap(result, "forward", clock)
-                self._sample(sampling, logits, plan.grammar_masks, result, plain)
+                self._sample(sampling, logits, masks, result, plain)
             clock = _lap(result, "sample", clock)
             if plan.multi_steps and self._multi_step(plan, inputs, ctx, result):
                 clock = _lap(result, "forward", clock)

@@ -5,6 +5,7 @@ import pytest
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.engine import Engine
+from tests.sample.json_schemas import ORDER_SCHEMA, YES_NO_EBNF
 
 PROMPTS = [
     "The quick brown fox",
@@ -104,7 +105,36 @@ def test_same_outputs_when_requests_are_aborted_mid_stream(engines):
         assert llm.engine.kv.usage() == 0.0 and not llm.engine.scheduler.requests
 
 
-def test_structured_output_steps_run_one_at_a_time_and_match(engines):
+def test_structured_output_overlaps_and_matches(engines):
+    """Constrained requests overlap like the rest: a step planned while the one before computes gets the grammar
+    masks of the requests whose token is in flight after its forward, and leaves unsampled a row whose grammar then
+    appended tokens (JSON's keys and punctuation, jump-forward), ended or allows nothing. The same tokens, finish
+    reasons and errors as one step at a time: greedy and seeded JSON, an EBNF, and a grammar that runs into a
+    character no token spells after its first tokens, beside unconstrained requests."""
+    def so(kind, schema):
+        return {"schema_type": kind, "schema": schema}
+    params = [SamplingParams(temperature=0, max_tokens=40, so_args=so("json", ORDER_SCHEMA)),
+              SamplingParams(temperature=0.8, seq_seed=5, max_tokens=40, so_args=so("json", ORDER_SCHEMA)),
+              SamplingParams(temperature=0, max_tokens=12, so_args=so("ebnf", YES_NO_EBNF)),
+              SamplingParams(temperature=0, max_tokens=8, so_args=so("regex", "ab\U000b5603")),
+              *_params()[:4]]
+    runs, counts = {}, {}
+    for mode, llm in engines.items():
+        engine = llm.engine
+        before = engine.late_mask_steps, engine.late_mask_voided
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        runs[mode] = [(o.error, _summary([o])) for o in outs]
+        counts[mode] = (engine.late_mask_steps - before[0], engine.late_mask_voided - before[1])
+        assert engine.kv.usage() == 0.0 and not engine.has_unfinished_requests()
+    assert runs[True] == runs[False]
+    assert counts[False] == (0, 0) and counts[True][0] > 0 and counts[True][1] > 0, counts  # it overlapped, and
+    # voided rows after jump-forward
+    errors = [error for error, _ in runs[True]]
+    assert errors[3] is not None and "allows no token" in errors[3] and errors.count(None) == len(params) - 1
+    assert runs[True][2][1][0][0][1] == "stop"  # the EBNF finished
+
+
+def test_a_regex_constrained_request_matches_and_validates(engines):
     regex = SamplingParams(temperature=0, max_tokens=12, so_args={"schema_type": "regex", "schema": "[A-Z]{2}-[0-9]{3}"})
     params = [regex] + _params()[:3]
     results = {mode: _summary(llm.generate(PROMPTS[:4], params, use_tqdm=False)) for mode, llm in engines.items()}
