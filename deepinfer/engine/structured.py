@@ -92,7 +92,7 @@ class StructuredOutputs:
         they cannot continue, and sampling them would fail the whole step."""
         def empty(mask) -> bool:
             first = mask[0] if isinstance(mask, list) else mask
-            return not bool(first.any())
+            return not allows_any(first)
         return [rid for rid, mask in masks.items() if empty(mask)]
 
     def only_stop_allowed(self, request_id: str) -> bool:
@@ -100,7 +100,7 @@ class StructuredOutputs:
         matcher = self._matchers.get(request_id)
         if matcher is None:
             return False
-        allowed = matcher.allowed_mask()
+        allowed = matcher.allowed_mask().numpy()  # a fresh array
         allowed[self._stop_token_ids] = False
         return not bool(allowed.any())
 
@@ -159,10 +159,17 @@ class StructuredOutputs:
             request = scheduler.requests.get(rid)
             running = request is not None and request.status is RequestStatus.RUNNING and rid not in appended
             mask = self.allowed(rid) if running else None
-            if mask is not None and bool(mask.any()):
+            if mask is not None and allows_any(mask):
                 masks[rid] = mask
                 continue
             voided.append(rid)
             if mask is not None:
                 dead.append(rid)
         return masks, voided, dead
+
+
+def allows_any(mask: torch.Tensor) -> bool:
+    """Whether a mask allows any token, read through numpy: torch reduces a vocabulary this long in parallel, and on
+    the engine thread while a compute thread runs the forward (overlap scheduling) that starts a second OpenMP pool,
+    with which libgomp's pools sleep at their barriers (one constrained user's steps ran ~2x slower)."""
+    return bool(mask.numpy().any())

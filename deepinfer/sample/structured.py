@@ -177,7 +177,7 @@ class GrammarMatcher:
     def allowed_mask(self) -> torch.Tensor:
         """bool [vocab_size]: the tokens the grammar allows next; stop tokens only where it can end."""
         if self._backend.is_terminated():
-            return torch.ones(self.vocab_size, dtype=torch.bool)
+            return torch.from_numpy(np.ones(self.vocab_size, dtype=np.bool_))  # numpy: no parallel fill (allows_any)
         self._backend.fill_next_token_bitmask(self._bitmask)
         return unpack_bitmask(self._bitmask, self.vocab_size)[0]
 
