@@ -3,6 +3,7 @@ mode, each mode in its own process (an engine's OpenMP pools belong to the threa
 requests and threads. Prints throughput, the per-step time breakdown and the on/off ratios; writes one JSON file.
 
     python benchmarks/async_scheduling.py --batch-sizes 1,16,64 --threads 2
+    python benchmarks/async_scheduling.py --batch-sizes 1,16 --output-len 64 --constrained 0.5  # half under a grammar
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def run_mode(mode: bool, args: argparse.Namespace) -> list[dict]:
         subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "sweep.py"),
                         "--batch-sizes", args.batch_sizes, "--prompt-len", str(args.prompt_len),
                         "--output-len", str(args.output_len), "--threads", str(args.threads),
+                        "--constrained", str(args.constrained),
                         "--engine-option", f"async_scheduling={'true' if mode else 'false'}", "--out", out],
                        check=True, stdout=subprocess.DEVNULL)
         with open(out) as f:
@@ -36,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--constrained", type=float, default=0.0,
+                        help="the share of each batch's requests under a JSON schema (sweep.py --constrained)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     points = {mode: run_mode(mode, args) for mode in (False, True)}

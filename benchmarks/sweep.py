@@ -7,6 +7,7 @@ OpenAI-compatible server over HTTP instead (streaming completions; TTFT and ITL 
 
     python benchmarks/sweep.py --batch-sizes 8,16,32,64,128,256 --prompt-len 128 --output-len 128
     python benchmarks/sweep.py --url http://127.0.0.1:8000/v1 --batch-sizes 8,16
+    python benchmarks/sweep.py --batch-sizes 1,16 --constrained 0.5   # half the requests follow a JSON schema
     examples/sweep/run_sweep.sh                              # the same, with the defaults above
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import sys
@@ -23,6 +25,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import default_output_path, machine_info, ordinary_token_ids, random_requests  # noqa: E402
+from structured import SCHEMA  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,7 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--served-model", default=None, help="server mode: the model name (default: the first listed)")
     parser.add_argument("--out", default=None, help="JSONL path; default benchmarks/results/sweep-<timestamp>.jsonl")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--constrained", type=float, default=0.0,
+                        help="offline mode: the share of each batch's requests (rounded up) whose output follows a JSON "
+                             "schema no request finishes within --output-len (structured.py's array of orders)")
     args = parser.parse_args(argv)
+    if not 0 <= args.constrained <= 1 or (args.constrained and args.url):
+        parser.error("--constrained is a share in [0, 1], offline mode only")
     args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
     if not args.batch_sizes or min(args.batch_sizes) < 1 or args.prompt_len < 1 or args.output_len < 2:
         parser.error("batch sizes and --prompt-len must be >= 1, --output-len >= 2")
@@ -71,12 +79,14 @@ def offline_point(llm, batch: int, args, token_ids) -> dict[str, Any]:
     requests = random_requests(batch, (args.prompt_len,) * 2, (args.output_len,) * 2, token_ids, args.seed + batch)
     # deltas, as a streaming server asks for them: each output holds the tokens its step made
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, output_kind="delta")
+    constrained = params.replace(so_args={"schema_type": "json", "schema": SCHEMA})
+    first_free = math.ceil(args.constrained * batch)  # requests 0 .. first_free - 1 follow the schema
     before = engine.step_times.copy()
     starts, times = {}, {}
     start = time.perf_counter()
     for i, r in enumerate(requests):
         rid = f"sweep-{batch}-{i}"
-        engine.add_request(rid, r.prompt_token_ids, params)
+        engine.add_request(rid, r.prompt_token_ids, constrained if i < first_free else params)
         starts[rid], times[rid] = start, []
     while engine.has_unfinished_requests():
         outputs = engine.step()
