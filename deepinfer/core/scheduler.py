@@ -59,6 +59,7 @@ class Scheduler(KVArrivals):
         # overlap scheduling: the last plan whose result is not applied yet, and the one applied ahead of its result
         self._unapplied: StepPlan | None = None
         self._applied_ahead: StepPlan | None = None
+        self._voided: set[tuple[int, str]] = set()  # (step, request): a sample in flight that will not come
         self._steps = itertools.count(1)
 
     def add(self, request: Request) -> None:
@@ -160,8 +161,13 @@ class Scheduler(KVArrivals):
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += n
-            request.num_placeholders += request_id in plan.sample_ids
+            request.num_placeholders += request_id in plan.sample_ids and (plan.step, request_id) not in self._voided
         self._unapplied, self._applied_ahead = None, plan
+
+    def void_sample(self, step: int, request_id: str) -> None:
+        """Overlap scheduling: the request's row in plan `step` (in flight) will not sample (its grammar appended
+        tokens, which the next step computes first): it holds no placeholder, and the next plan may follow at once."""
+        self._voided.add((step, request_id))
 
     def _ends_at_placeholders(self, request: Request) -> bool:
         """True if the tokens in flight certainly end the request (max_tokens or max_model_len)."""
@@ -296,7 +302,8 @@ class Scheduler(KVArrivals):
         advanced = []
         for request_id, n in plan.num_tokens.items():
             request = self.requests.get(request_id)
-            if ahead and request is not None and request_id in plan.sample_ids:
+            if ahead and request is not None and request_id in plan.sample_ids \
+                    and (plan.step, request_id) not in self._voided:
                 request.num_placeholders = max(request.num_placeholders - 1, 0)
             if request is None or request.status is not RequestStatus.RUNNING:
                 if ahead and request is not None and request.status is RequestStatus.PREEMPTED:
@@ -330,6 +337,8 @@ class Scheduler(KVArrivals):
             if stop is not None:
                 self.finish(request_id, *stop)
             advanced.append(request)
+        if self._voided:
+            self._voided = {v for v in self._voided if v[0] != plan.step}
         return advanced
 
     def _append_sampled(self, request: Request, tokens, finish: bool = True) -> tuple[str, int | None] | None:

@@ -247,9 +247,9 @@ class Engine:
         return self._pipeline is not None
 
     def _can_overlap(self) -> bool:
-        """Whether the next step can be planned before the one in flight returns its tokens (not while tokens a
-        grammar appended wait to be computed first)."""
-        return not self._appended and not self.handoff.busy
+        """Whether the next step can be planned before the one in flight returns its tokens (tokens a grammar
+        appended go with it; the row in flight of their request samples nothing: `_fill_late_masks`)."""
+        return not self.handoff.busy
 
     def _plan(self) -> tuple[StepPlan, list[RequestOutput]]:
         """The next step's plan, and the outputs of requests that fail before it (a grammar that allows no token)."""
@@ -299,6 +299,8 @@ class Engine:
         masks, voided, dead = self.structured.late_masks(step.plan.late_masks.request_ids, self.scheduler,
                                                          self._appended)
         failed = [self._fail(rid) for rid in dead if rid in self._children]
+        for rid in voided:
+            self.scheduler.void_sample(step.plan.step, rid)
         self.late_mask_voided += len(voided)
         step.plan.late_masks.fill(masks, voided)
         return failed

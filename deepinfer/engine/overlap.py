@@ -14,8 +14,8 @@ Structured output overlaps too: the next step's grammar mask needs the token in 
 after its forward. The plan carries the request as `late` (core/plan.py LateMasks); the engine thread feeds the token
 to the grammar as it applies the step before, then fills the mask, while the worker computes the forward, and the
 worker waits for it before sampling. Where the grammar then appends tokens without a model step (jump-forward), ends
-the request or allows no token, the row is not sampled and the next step is planned after its tokens are known, as
-one step at a time would: the same tokens.
+the request or allows no token, the row is not sampled (core/scheduler.py `void_sample`: it holds no placeholder)
+and the appended tokens go with the next plan, as one step at a time would: the same tokens.
 
 What cannot be planned before the previous step's tokens are known runs one step at a time: speculative decoding
 (how many drafts are accepted decides the next positions), a KV store (a save names its block by the tokens in it),

@@ -66,3 +66,23 @@ def test_preempted_while_its_step_computes_keeps_the_sampled_token():
     assert b.output_token_ids == [42] and s.requests["a"].output_token_ids == [42]
     s.update(second, _sampled(second, 43))
     assert s.requests["a"].output_token_ids == [42, 43] and b.output_token_ids == [42]
+
+
+def test_a_voided_sample_holds_no_placeholder_and_appended_tokens_are_planned_at_once():
+    """A grammar's jump-forward while the request's next step is in flight: that step's row samples nothing
+    (void_sample), and the plan after it computes the appended tokens, planned before that step's result."""
+    s = make(budget=64)
+    s.add(req("a", 6, max_tokens=10))
+    first = s.schedule()
+    second = s.schedule()  # computes the token `first` samples
+    s.update(first, _sampled(first, 11))
+    a = s.requests["a"]
+    assert s.append_tokens("a", [21, 22]) == 2  # forced after 11
+    s.void_sample(second.step, "a")
+    third = s.schedule()  # `second` still computing: its token 11 counts as computed, its sample does not exist
+    assert a.num_placeholders == 0 and third.num_tokens == {"a": 2} and third.sample_ids == ["a"]
+    assert third.cached_requests[0].num_computed_tokens == 7
+    s.update(second, StepResult())  # the row sampled nothing
+    assert a.output_token_ids == [11, 21, 22] and a.num_placeholders == 0 and a.num_computed_tokens == 7
+    s.update(third, _sampled(third, 12))
+    assert a.output_token_ids == [11, 21, 22, 12] and a.num_computed_tokens == 9 and a.num_placeholders == 0
