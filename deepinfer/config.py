@@ -131,9 +131,9 @@ class SchedulerConfig:
     # KV store lookups and loads in the background: the step never waits for the store (core/kv_loading.py)
     async_kv_loads: bool = True
     # overlap scheduling: plan step N+1 and process step N's outputs while step N+1 computes (engine/overlap.py);
-    # steps after a grammar's jump-forward, and speculative / KV store / hand-off / expert-parallel engines run one
-    # step at a time (a grammar mask waits, in the worker, for the token in flight). None: off; it measured slower on the CPU and on CUDA, where the two threads
-    # contend for the GIL (doc/inference_deployment_qa.md).
+    # speculative / KV store / hand-off / expert-parallel engines run one step at a time (a grammar mask waits, in
+    # the worker, for the token in flight). None: off; on the CPU it costs one user ~9% (pays from ~4 sequences on),
+    # on CUDA it measured slower (doc/inference_deployment_qa.md).
     async_scheduling: bool | None = None
     # sequences that may wait at once; the server answers 503 + Retry-After past it. None: derived from the KV
     # capacity (engine/client.default_max_waiting). The offline LLM never refuses work.

@@ -53,10 +53,11 @@ def overlap_blockers(config: EngineConfig, device: str) -> list[str]:
     wanted = config.scheduler.async_scheduling
     if wanted is False:
         reasons.append("async_scheduling=False")
-    elif wanted is None:  # measured slower than one step at a time on both (doc/inference_deployment_qa.md)
-        where = "a GPU, whose forward launches its kernels from Python" if device.startswith("cuda") \
-            else "the CPU, where the engine thread competes with the forward for the cores"
-        reasons.append(f"the default on {where}: the two threads contend for the GIL (--async-scheduling turns it on)")
+    elif wanted is None:  # measured (doc/inference_deployment_qa.md)
+        why = ("a GPU, where it measured slower: the forward launches its kernels from Python and the two threads "
+               "contend for the GIL") if device.startswith("cuda") else \
+            ("the CPU, where one user pays ~9% for the cross-thread step (it pays from ~4 sequences on)")
+        reasons.append(f"the default on {why}; --async-scheduling turns it on")
     if config.spec.enabled:
         reasons.append("speculative decoding (a step's drafts and positions depend on the previous step's result)")
     if config.kv_store.kinds:

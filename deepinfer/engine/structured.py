@@ -4,6 +4,7 @@ advance on accepted tokens, jump-forward."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -57,7 +58,7 @@ class StructuredOutputs:
         matcher = self._matchers.get(request_id)
         return None if matcher is None else matcher.allowed_mask()
 
-    def masks(self, plan: StepPlan, skip: list[str] = ()) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+    def masks(self, plan: StepPlan, skip: Collection[str] = ()) -> dict[str, torch.Tensor | list[torch.Tensor]]:
         """Allowed-token masks for constrained sequences that sample a token this step (but `skip`). A sequence with
         speculative drafts gets one mask per verified row; its drafts are cut at the first one the grammar refuses
         (the plan's token count with them), and the matcher is rolled back to where it was."""
