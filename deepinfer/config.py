@@ -132,8 +132,8 @@ class SchedulerConfig:
     async_kv_loads: bool = True
     # overlap scheduling: plan step N+1 and process step N's outputs while step N+1 computes (engine/overlap.py);
     # speculative / KV store / hand-off / expert-parallel engines run one step at a time (a grammar mask waits, in
-    # the worker, for the token in flight). None: off; on the CPU it costs one user ~9% (pays from ~4 sequences on),
-    # on CUDA it measured slower (doc/inference_deployment_qa.md).
+    # the worker, for the token in flight). None: off; on the CPU it costs one user up to ~9% (it pays from ~4
+    # sequences on), on CUDA it measured slower (doc/inference_deployment_qa.md).
     async_scheduling: bool | None = None
     # sequences that may wait at once; the server answers 503 + Retry-After past it. None: derived from the KV
     # capacity (engine/client.default_max_waiting). The offline LLM never refuses work.

@@ -56,7 +56,7 @@ def overlap_blockers(config: EngineConfig, device: str) -> list[str]:
     elif wanted is None:  # measured (doc/inference_deployment_qa.md)
         why = ("a GPU, where it measured slower: the forward launches its kernels from Python and the two threads "
                "contend for the GIL") if device.startswith("cuda") else \
-            ("the CPU, where one user pays ~9% for the cross-thread step (it pays from ~4 sequences on)")
+            ("the CPU, where one user loses up to ~9% (it pays from ~4 sequences on)")
         reasons.append(f"the default on {why}; --async-scheduling turns it on")
     if config.spec.enabled:
         reasons.append("speculative decoding (a step's drafts and positions depend on the previous step's result)")
