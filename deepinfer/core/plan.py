@@ -56,7 +56,7 @@ class KVPull:
 class LateMasks:
     """Overlap scheduling with structured output: the grammar masks of a step planned while the step before it still
     computes, for the constrained requests whose previous token that step samples. The engine thread fills them once
-    it has fed those tokens to the grammars (engine/engine.py `_finish`); the worker waits for them after its forward,
+    it has fed those tokens to the grammars (engine/engine.py `_fill_late_masks`); the worker waits for them after its forward,
     before sampling. `voided`: rows not to sample at all (the request finished, or its grammar appended tokens without
     a model step, which the next step computes first, or allows no token at all)."""
 
@@ -66,6 +66,9 @@ class LateMasks:
         self._masks: dict[str, Any] = {}
         self._voided: frozenset[str] = frozenset()
         self._error: str | None = None
+
+    # how long the worker waits after its forward (milliseconds in practice; past it the step fails, never hangs)
+    TIMEOUT_S = 60.0
 
     def fill(self, masks: dict[str, Any], voided: Collection[str]) -> None:
         self._masks, self._voided = masks, frozenset(voided)
@@ -77,9 +80,6 @@ class LateMasks:
         if not self._ready.is_set():
             self._error = why
             self._ready.set()
-
-    # how long the worker waits after its forward (milliseconds in practice; past it the step fails, never hangs)
-    TIMEOUT_S = 60.0
 
     def wait(self, timeout: float = TIMEOUT_S) -> tuple[dict[str, Any], frozenset[str]]:
         if not self._ready.wait(timeout):

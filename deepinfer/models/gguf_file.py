@@ -127,17 +127,16 @@ class _Cursor:
         self.pos += size
         return value
 
-    def skip_string(self) -> None:
+    def skip_string(self) -> int:
+        """Moves past a length-prefixed string; returns where its bytes start."""
         n = self.unpack("<Q")
         self.need(n)
         self.pos += n
+        return self.pos - n
 
     def string(self) -> str:
-        n = self.unpack("<Q")
-        self.need(n)
-        raw = self.buf[self.pos : self.pos + n]
-        self.pos += n
-        return raw.decode("utf-8", errors="replace")
+        start = self.skip_string()
+        return self.buf[start : self.pos].decode("utf-8", errors="replace")
 
     def value(self, vtype: int) -> Any:
         if vtype in _SCALAR_FORMATS:
