@@ -131,9 +131,9 @@ class SchedulerConfig:
     # KV store lookups and loads in the background: the step never waits for the store (core/kv_loading.py)
     async_kv_loads: bool = True
     # overlap scheduling: plan step N+1 and process step N's outputs while step N+1 computes (engine/overlap.py);
-    # speculative / KV store / hand-off / expert-parallel engines run one step at a time (a grammar mask waits, in
-    # the worker, for the token in flight). None: off; on the CPU it costs one user up to ~9% (it pays from ~4
-    # sequences on), on CUDA it measured slower (doc/inference_deployment_qa.md).
+    # KV store / hand-off / expert-parallel engines run one step at a time, and so do steps with drafts (a grammar
+    # mask waits, in the worker, for the token in flight). None: off; on the CPU the engine thread's work slows the
+    # forward beside it (every core computes), on CUDA it measured slower (doc/inference_deployment_qa.md).
     async_scheduling: bool | None = None
     # sequences that may wait at once; the server answers 503 + Retry-After past it. None: derived from the KV
     # capacity (engine/client.default_max_waiting). The offline LLM never refuses work.

@@ -16,10 +16,10 @@ from deepinfer.core.plan import LateMasks, StepPlan, StepResult
 from deepinfer.core.request import Request
 from deepinfer.core.scheduler import Scheduler
 from deepinfer.engine.handoff import EngineHandoff, KVTransferParams
-from deepinfer.engine.io import RequestState, new_sequence, record_step_metrics
+from deepinfer.engine.io import RequestState, eos_ids, new_sequence, record_step_metrics
 from deepinfer.kvstore.connector import KVStoreConnector, model_identity
 from deepinfer.engine.structured import StructuredOutputs
-from deepinfer.engine.overlap import StepPipeline, extra_decode_steps, overlap_blockers
+from deepinfer.engine.overlap import StepPipeline, describe_overlap, extra_decode_steps, overlap_blockers
 from deepinfer.engine.stats import EngineStats, ReplicaStatus
 from deepinfer.engine.sizing import default_kv_cache_memory, max_tokens_fitting, mix_seed
 from deepinfer.engine.timing import StepTimes
@@ -56,6 +56,8 @@ class Engine:
                              "computes in its cache's dtype: use 'auto' or 'bfloat16'")
         blockers = overlap_blockers(config, self.compute.device)  # overlap scheduling: the model lives on the pipeline's compute thread
         self._pipeline = None if blockers else StepPipeline(torch.get_num_threads())
+        self.overlapped_steps = 0  # steps planned while the one before computed
+        self._drafts_proposed = False  # the last result applied proposed drafts: the next step verifies them
         on_compute_thread = self._pipeline.call if self._pipeline is not None else (lambda fn, *args: fn(*args))
         self.executor: Executor = on_compute_thread(make_executor, config, files, max_len, self.compute)
         specs = self.executor.kv_cache_specs()
@@ -97,7 +99,7 @@ class Engine:
             self._close_kv_store = weakref.finalize(self, self.kv_store.close)  # queued saves land even at exit
         # ---- end KV store
         self.vocab_size = int(files.hf_config["vocab_size"])
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_ids(self.hf_config, self.tokenizer)
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self._appended: dict[str, list[int]] = {}  # jump-forward tokens the worker has not seen yet
         self.late_mask_steps = 0  # overlap scheduling: steps whose grammar masks waited for the step before's tokens
@@ -108,9 +110,7 @@ class Engine:
         self._generation_tokens = 0
         self.step_times = StepTimes()  # cumulative; see engine/timing.py
         self._spec_counts: dict[str, dict[int, tuple[int, int]]] = {}  # request -> sequence -> (drafted, accepted)
-        logger.info("overlap scheduling: %s", "on (the next step is planned while one computes; a constrained "
-                    "request's grammar mask follows once its last token is known)" if not blockers
-                    else "off: " + "; ".join(blockers))
+        logger.info("overlap scheduling: %s", describe_overlap(blockers))
         logger.info(
             "loaded %s (%s, %s) in %.1fs; KV cache (%s): %d blocks x %d tokens x %d layers (%.1f MiB); one sequence "
             "fits %d tokens; max_model_len %d",
@@ -128,14 +128,6 @@ class Engine:
                 len(layout.groups) - len(swa), len(swa), window, cc.block_size, -(-window // cc.block_size) + 1,
                 num_blocks // layout.blocks_for(max_len, cc.block_size, 1), cc.swa_prefix_mode, self.kv.keep_tokens,
             )
-
-    def _eos_ids(self) -> frozenset[int]:
-        ids = set()
-        raw = self.hf_config.get("eos_token_id")
-        ids.update(raw if isinstance(raw, list) else [raw] if raw is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return frozenset(int(i) for i in ids)
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -233,6 +225,7 @@ class Engine:
             pipeline.submit(self.executor.execute, *self._plan())
         if self._can_overlap():
             pipeline.submit(self.executor.execute, *self._plan())
+            self.overlapped_steps += 1
         done, result = pipeline.take()
         try:
             outputs = self._finish(done.plan, result, done.failed)
@@ -248,8 +241,10 @@ class Engine:
 
     def _can_overlap(self) -> bool:
         """Whether the next step can be planned before the one in flight returns its tokens (tokens a grammar
-        appended go with it; the row in flight of their request samples nothing: `_fill_late_masks`)."""
-        return not self.handoff.busy
+        appended go with it; the row in flight of their request samples nothing: `_fill_late_masks`), unless the
+        step in flight verifies drafts or the last result proposed some (engine/overlap.py)."""
+        in_flight = self._pipeline.in_flight[-1].plan
+        return not self.handoff.busy and not self._drafts_proposed and not in_flight.spec_token_ids
 
     def _plan(self) -> tuple[StepPlan, list[RequestOutput]]:
         """The next step's plan, and the outputs of requests that fail before it (a grammar that allows no token)."""
@@ -279,6 +274,7 @@ class Engine:
             self.step_times.add(phase, seconds)
         clock = time.perf_counter()
         advanced = self.handoff.after_update(self.scheduler.update(plan, result), result)
+        self._drafts_proposed = bool(result.draft_token_ids)
         if self.structured:
             self._appended.update(self.structured.advance(advanced, result.sampled, self.scheduler))
         clock = self._lap("update", clock)

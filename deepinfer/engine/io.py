@@ -128,3 +128,12 @@ def record_step_metrics(state: RequestState, request: Request, now: float) -> No
 
 def now() -> float:
     return time.time()
+
+
+def eos_ids(hf_config: dict, tokenizer) -> frozenset[int]:
+    """The model's end-of-sequence ids: its config's and its tokenizer's."""
+    raw = hf_config.get("eos_token_id")
+    ids = set(raw if isinstance(raw, list) else [raw] if raw is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(int(i) for i in ids)

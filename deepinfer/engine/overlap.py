@@ -17,9 +17,15 @@ worker waits for it before sampling. Where the grammar then appends tokens witho
 the request or allows no token, the row is not sampled (core/scheduler.py `void_sample`: it holds no placeholder)
 and the appended tokens go with the next plan, as one step at a time would: the same tokens.
 
-What cannot be planned before the previous step's tokens are known runs one step at a time: speculative decoding
-(how many drafts are accepted decides the next positions), a KV store (a save names its block by the tokens in it),
-prefill/decode hand-offs and expert-parallel ranks (their executor is driven from the engine thread too).
+Speculative decoding overlaps where nothing is drafted: how many of a step's drafts are accepted decides the next
+step's positions, and its drafts come from its own result, so a step that verifies drafts, or follows a result
+that proposed some, is planned after the step before returns (engine/engine.py `_can_overlap`). A step planned ahead
+verifies none (the scheduler offers drafts only after every known token is computed); drafts the worker proposed in
+a step that another was planned behind are dropped. Where the draft plan drafts nothing (a batch too big for drafts
+to pay), every step overlaps; where it drafts, steps go one at a time and verify them.
+
+What runs one step at a time always: a KV store (a save names its block by the tokens in it), prefill/decode
+hand-offs and expert-parallel ranks (their executor is driven from the engine thread too).
 """
 from __future__ import annotations
 
@@ -56,10 +62,9 @@ def overlap_blockers(config: EngineConfig, device: str) -> list[str]:
     elif wanted is None:  # measured (doc/inference_deployment_qa.md)
         why = ("a GPU, where it measured slower: the forward launches its kernels from Python and the two threads "
                "contend for the GIL") if device.startswith("cuda") else \
-            ("the CPU, where one user loses up to ~9% (it pays from ~4 sequences on)")
+            ("the CPU, where every core computes the forward: the engine thread's work beside it slows the forward "
+             "by more than that work takes")
         reasons.append(f"the default on {why}; --async-scheduling turns it on")
-    if config.spec.enabled:
-        reasons.append("speculative decoding (a step's drafts and positions depend on the previous step's result)")
     if config.kv_store.kinds:
         reasons.append("a KV store (a block is saved under the hash of its tokens)")
     if config.disagg.role != "both":
@@ -67,6 +72,15 @@ def overlap_blockers(config: EngineConfig, device: str) -> list[str]:
     if config.parallel.expert_parallel_size > 1:
         reasons.append("expert-parallel ranks (their executor is driven from the engine thread)")
     return reasons
+
+
+def describe_overlap(blockers: list[str]) -> str:
+    """The start-up log's line: that steps overlap, or why they never do."""
+    if blockers:
+        return "off: " + "; ".join(blockers)
+    return ("on (the next step is planned while one computes; a constrained request's grammar mask follows once its "
+            "last token is known; a step with drafts to verify, or after one that proposed drafts, waits for the one "
+            "before)")
 
 
 def extra_decode_steps(config: EngineConfig, overlapped: bool) -> int:

@@ -173,6 +173,25 @@ def test_write_kv_caches_what_the_whole_layer_caches(tiny_with_head, quantizatio
     assert k_full.abs().sum() > 0 and torch.equal(k_full, k_only) and torch.equal(v_full, v_only)
 
 
+def test_mtp_under_overlap_scheduling_keeps_greedy_tokens(tiny_with_head):
+    """Overlap scheduling with MTP: steps planned while the one before computes carry no drafts (the MTP layer still
+    caches its K and V for their rows, on the compute thread), steps after a result with drafts verify them one at a
+    time. Twelve requests of staggered lengths: the batch starts too big for drafts to pay and thins out."""
+    path, head = tiny_with_head
+    prompts = [[5, 17, 99, 3, 120, 11, 42], list(range(1, 40)), [7], [9, 9, 9, 9]] * 3
+    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    plain = LLM(path, kv_cache_memory=8 << 20, quantization="int8", async_scheduling=False)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = LLM(path, kv_cache_memory=8 << 20, speculative_method="mtp", draft=head, quantization="int8",
+               async_scheduling=True)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == expected
+    engine = spec.engine
+    assert engine.overlapped_steps > 0 and engine.stats().spec_decode.num_draft_tokens > 0
+    assert engine.kv.usage() == 0.0
+    for llm in (plain, spec):
+        llm.engine.close()
+
+
 def test_a_head_for_another_model_is_refused(tiny_with_head):
     _, head = tiny_with_head
     with pytest.raises(ValueError, match="was trained for"):
