@@ -51,6 +51,9 @@ class SamplingParams:
     so_args: dict[str, Any] | None = None
     cache_salt: str | None = None
     kv_ttl_class: str | None = None
+    # OpenAI's logit_bias: token id -> a value in [-100, 100] added to that token's logit before penalties, masks
+    # and temperature (vLLM's order); -100 bans a token in practice, +100 all but forces it. Logprobs stay raw.
+    logit_bias: dict[int, float] | None = None
     detokenize: bool = True  # False: token ids only, no text (vLLM's name; needed with skip_tokenizer_init)
     output_kind: str = "cumulative"  # one of OUTPUT_KINDS
 
@@ -115,6 +118,8 @@ class SamplingParams:
                 # tokens with another position's logprobs (and the chat renderer failed with a 500)
                 raise ValueError(f"logprobs={self.logprobs} cannot be combined with so_args: tokens the grammar forces "
                                  f"(jump-forward) are appended without sampling and have no logprobs")
+        if self.logit_bias is not None:
+            _validate_logit_bias(self.logit_bias)
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise bad("cache_salt", "a string")
         if self.kv_ttl_class is not None and self.kv_ttl_class not in TTL_CLASSES:
@@ -168,3 +173,17 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+
+
+def _validate_logit_bias(bias: Any) -> None:
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+    low, high = LOGIT_BIAS_RANGE
+    for token, value in bias.items():
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        if not _is_number(value) or not low <= value <= high:
+            raise ValueError(f"logit_bias[{token}] must be a number in [{low:g}, {high:g}], got {value!r}")

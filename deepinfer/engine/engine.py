@@ -182,9 +182,10 @@ class Engine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty")
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        for what, ids in (("prompt token id", token_ids), ("logit_bias token id", params.logit_bias or ())):
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{what} {bad} is outside the vocabulary [0, {self.vocab_size})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} "

@@ -83,7 +83,7 @@ def _check_inputs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
 def plain_greedy_params(p: SamplingParams) -> bool:
     """Parameters whose rows are the argmax alone, unless a mask or min_tokens intervenes."""
-    return p.greedy and p.logprobs is None and not has_penalties(p)
+    return p.greedy and p.logprobs is None and not has_penalties(p) and not p.logit_bias
 
 
 def _is_plain_greedy(row: SamplingRow, vocab: int) -> bool:
@@ -109,20 +109,27 @@ def _needs_sort(p: SamplingParams) -> bool:
     return p.top_k > 0 or p.top_p < 1.0
 
 
-# ---- logits processing: penalties, min_tokens, structured-output masks ----
+# ---- logits processing: logit bias, penalties, min_tokens, structured-output masks ----
 
 
 def _process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """The logits after penalties and masks; ``logits`` itself when none applies."""
+    """The logits after bias, penalties and masks; ``logits`` itself when none applies."""
     vocab = logits.shape[1]
+    biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
     penalized = [i for i, row in enumerate(rows) if has_penalties(row.params)]
     suppressed = [(i, _suppressed_ids(row, vocab)) for i, row in enumerate(rows)]
     suppressed = [(i, ids) for i, ids in suppressed if ids]
     masked = [i for i, row in enumerate(rows) if row.allowed_token_mask is not None]
-    if not (penalized or suppressed or masked):
+    if not (biased or penalized or suppressed or masked):
         return logits
 
     x = logits.float().clone(memory_format=torch.contiguous_format)  # penalties index it flat
+    if biased:  # before the penalties, as vLLM adds it; ids past the logits' width do not exist
+        entries = [(i, t, b) for i in biased for t, b in rows[i].params.logit_bias.items() if t < vocab]
+        if entries:
+            r, t, b = zip(*entries)
+            x.index_put_((torch.tensor(r, device=x.device), torch.tensor(t, device=x.device)),
+                         torch.tensor(b, dtype=x.dtype, device=x.device), accumulate=True)
     if penalized:
         _apply_penalties_(x, penalized, rows)
     if suppressed:

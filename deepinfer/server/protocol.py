@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError
 
-from deepinfer.sampling_params import MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SamplingParams
+from deepinfer.sampling_params import LOGIT_BIAS_RANGE, MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, SamplingParams
 
 # Limits the server enforces, published in the OpenAPI document (/openapi.json) as part of each field's schema.
 MAX_N = 128  # choices per prompt (OpenAI's limit)
@@ -37,6 +37,13 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 Count = _int(ge=1, le=MAX_INT32)
+MAX_LOGIT_BIAS = 1024  # entries: each is one more logit written per step
+# OpenAI's logit_bias: token ids (as JSON object keys, so strings) -> a bias
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")],
+                           Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])]],
+                      Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False},
+                            description="token id -> bias added to its logit before sampling; ids below the model's "
+                                        "vocabulary size")]
 
 
 class APIError(Exception):
@@ -186,6 +193,7 @@ class _SamplingRequest(_Request):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, ge=REPETITION_PENALTY_RANGE[0],
                                              le=REPETITION_PENALTY_RANGE[1])
+    logit_bias: LogitBias | None = None
     # vLLM's extensions
     ignore_eos: bool | None = None
     min_tokens: _int(ge=0, le=MAX_INT32) | None = None
@@ -224,6 +232,7 @@ class _SamplingRequest(_Request):
             "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
             "cache_salt": self.cache_salt, "kv_ttl_class": self.kv_ttl_class, "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids,
+            "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
         }
         constraint = self.structured_output()
         # each step hands over only what is new (no per-step copies that grow with the output); a response that is

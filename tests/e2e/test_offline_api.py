@@ -64,6 +64,21 @@ def test_penalties_change_a_repetitive_output(smol):
     assert plain != penal and len(set(penal)) > len(set(plain))
 
 
+def test_logit_bias_in_a_batch_moves_only_its_own_request(smol):
+    """+100 on a token makes greedy decoding repeat it, -100 on the greedy answer's first token bans it; the
+    unbiased requests beside them get the tokens they get alone; a token id past the vocabulary fails its request."""
+    prompt, greedy = "The capital of France is", SamplingParams(temperature=0, max_tokens=6)
+    alone = smol.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    token = smol.get_tokenizer()(" blue").input_ids[0]
+    params = [greedy, greedy.replace(logit_bias={token: 100.0}), greedy.replace(logit_bias={alone[0]: -100.0}),
+              greedy.replace(logit_bias={10**6: 1.0})]
+    outs = smol.generate([prompt] * 4, params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone
+    assert outs[1].outputs[0].token_ids == [token] * 6
+    assert outs[2].outputs[0].token_ids[0] != alone[0]
+    assert "logit_bias token id 1000000 is outside the vocabulary" in outs[3].error
+
+
 def test_outputs_in_input_order_with_metrics(smol):
     prompts = ["a " * 50, "b", "c " * 10]
     outs = smol.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)

@@ -36,6 +36,9 @@ CASES = [
     ("/v1/chat/completions", {**CHAT, "echo": True}, 400, "echo"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, None),
     ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "model"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"49152": 5}}, 400, "logit_bias"),  # outside the vocabulary
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"12": 101}}, 400, "logit_bias.12"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"a token": 1}}, 400, "logit_bias.a token"),
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "prompt"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
 ]

@@ -130,6 +130,21 @@ def test_seed_reproduces_and_top_k_is_honoured(client):
     assert sample(extra_body={"top_k": 1}) == greedy
 
 
+def test_logit_bias_forces_and_bans_tokens(client, http):
+    """OpenAI's logit_bias, through the official client: +100 on one token makes greedy decoding repeat it; -100 on
+    the greedy answer's first token makes it pick another; the bias leaves the raw logprobs as they were."""
+    def complete(**kw):
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1, **kw)
+    plain = complete()
+    (first,) = http.post("/tokenize", json={"prompt": plain.choices[0].logprobs.tokens[0]}).json()["tokens"]
+    forced = http.post("/tokenize", json={"prompt": " blue"}).json()["tokens"]
+    assert len(forced) == 1
+    assert complete(logit_bias={str(forced[0]): 100}).choices[0].text == " blue" * 3
+    banned = complete(logit_bias={str(first): -100})
+    assert http.post("/tokenize", json={"prompt": banned.choices[0].logprobs.tokens[0]}).json()["tokens"] != [first]
+    assert banned.choices[0].logprobs.token_logprobs[0] < plain.choices[0].logprobs.token_logprobs[0]  # raw: lower
+
+
 def test_models_health_tokenize(client, http, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert http.get("/health").status_code == 200

@@ -1,0 +1,54 @@
+"""OpenAI's logit_bias: validated at construction, added to a row's logits before penalties and masks (vLLM's
+order), per row, leaving logprobs raw; and through the engine, where a token id must lie in the vocabulary."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.worker.runner import _RequestState
+from tests.sample.test_sampler import row, sampler
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
+
+
+@pytest.mark.parametrize("bias,error", [
+    ([(1, 2.0)], "must be a dict"),
+    ({-1: 1.0}, "keys must be token ids"),
+    ({True: 1.0}, "keys must be token ids"),
+    ({"3": 1.0}, "keys must be token ids"),
+    ({3: 100.5}, r"logit_bias\[3\] must be a number in \[-100, 100\]"),
+    ({3: float("nan")}, r"logit_bias\[3\]"),
+    ({3: "1"}, r"logit_bias\[3\]"),
+])
+def test_bad_biases_are_refused_naming_the_entry(bias, error):
+    with pytest.raises(ValueError, match=error):
+        SamplingParams(logit_bias=bias)
+
+
+def test_bias_moves_greedy_and_sampled_rows_and_only_its_own_row():
+    greedy = SamplingParams(temperature=0, logit_bias={3: 100.0})
+    banned = SamplingParams(temperature=0, logit_bias={0: -100.0, 1: -0.6})
+    out = sampler(LOGITS.repeat(3, 1), [row(greedy), row(SamplingParams(temperature=0)), row(banned)])
+    assert out.token_ids == [3, 0, 2]  # 1.0 - 0.6 falls below token 2's 0.5
+    # sampled: +100 on one token leaves the others e^-100 of the weight; seeds cannot draw them
+    forced = SamplingParams(temperature=1.0, seq_seed=1, logit_bias={4: 100.0})
+    assert set(sampler(LOGITS.repeat(32, 1), [row(forced, seed=s) for s in range(32)]).token_ids) == {4}
+
+
+def test_bias_comes_before_penalties_and_logprobs_stay_raw():
+    # repetition penalty 2 on token 1 (in the prompt): vLLM's order (bias, then penalty) gives (1.0 + 3.0) / 2 = 2.0
+    # against token 0's 2.0, a tie the lower id wins; penalty first would give 1.0 / 2 + 3.0 = 3.5 (token 1)
+    params = SamplingParams(temperature=0, logit_bias={1: 3.0}, repetition_penalty=2.0, logprobs=1)
+    out = sampler(LOGITS, [row(params, prompt=[1])])
+    assert out.token_ids == [0]
+    raw = torch.log_softmax(LOGITS[0], dim=-1)
+    assert out.logprobs[0][0] == pytest.approx(raw[0].item())
+
+
+def test_a_biased_greedy_request_is_not_an_argmax_row():
+    """The worker answers plain greedy rows with the LM head's argmax in the kernel (no logits): a bias must not take
+    that path."""
+    from deepinfer.worker.runner import Tokens
+    state = _RequestState(Tokens([1, 2], 2), [], SamplingParams(temperature=0, logit_bias={5: 1.0}), 0, frozenset())
+    assert not state.argmax_only
