@@ -124,9 +124,24 @@ def build_app(engine_client: AsyncEngineClient, settings: ServerSettings) -> Fas
             raise APIError(400, f"{len(prompts)} prompt(s) x n={params.n} is more sequences than this server queues at "
                                 f"once ({limit}); split the request", param="n" if params.n > 1 else "prompt")
 
+    async def check_length(prompts: list, params: SamplingParams) -> None:
+        """vLLM's and OpenAI's rule: a prompt and max_tokens together must fit the context, or the request is a 400
+        (not a silent stop at max_model_len). A text prompt is tokenized for it only where its UTF-8 bytes (a token
+        spells at least one, plus a few special tokens) could reach the limit; a prompt alone past it is the engine's
+        error (param prompt)."""
+        limit, wanted = engine_client.engine.max_model_len, params.max_tokens
+        for prompt in prompts if wanted is not None else ():
+            if isinstance(prompt, str) and len(prompt.encode()) + 8 + wanted <= limit:
+                continue
+            n = len(await _call(engine_client.tokenize, prompt)) if isinstance(prompt, str) else len(prompt)
+            if n < limit < n + wanted:
+                raise APIError(400, f"max_tokens={wanted} is too large: this model's context is {limit} tokens and "
+                                    f"the prompt has {n}, leaving {limit - n} to generate", param="max_tokens")
+
     async def generate(request: Request, renderer: Renderer, prompts: list, params: SamplingParams,
                        stream: bool, transfer: KVTransferParams | None = None) -> Response:
         check_size(prompts, params)
+        await check_length(prompts, params)
         arrival = time.time()
         ids = [f"{renderer.request_id}-{i}" for i in range(len(prompts))]
         streams = await _add_all(engine_client, ids, prompts, params, arrival, transfer)

@@ -181,18 +181,26 @@ def test_unicode_edge_cases_are_served(http):
 
 
 def test_prompts_at_and_past_the_context(http, max_model_len):
-    def complete(length: int) -> httpx.Response:
-        return http.post("/v1/completions", json={"model": MODEL, "prompt": [198] * length, "max_tokens": 16,
+    def complete(prompt, max_tokens: int) -> httpx.Response:
+        return http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
                                                     "ignore_eos": True})  # sampled: EOS would end it with "stop"
 
-    fits = complete(max_model_len - 1)  # the prompt and exactly one generated token
+    fits = complete([198] * (max_model_len - 2), 2)  # the prompt and exactly two generated tokens
     assert fits.status_code == 200, fits.text
     choice = fits.json()["choices"][0]
-    assert fits.json()["usage"]["completion_tokens"] == 1 and choice["finish_reason"] == "length"
+    assert fits.json()["usage"]["completion_tokens"] == 2 and choice["finish_reason"] == "length"
     for length in (max_model_len, max_model_len + 1):
-        refused = complete(length)
+        refused = complete([198] * length, 16)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
         assert str(max_model_len) in refused.json()["error"]["message"]
+    # as vLLM and OpenAI answer: the prompt fits, but not with max_tokens after it (text prompts counted too)
+    text = " the" * (max_model_len - 10)
+    count = http.post("/tokenize", json={"prompt": text}).json()["count"]
+    for prompt, n in (([198] * (max_model_len - 2), max_model_len - 2), (text, count)):
+        refused = complete(prompt, 16)
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["param"] == "max_tokens", refused.text
+        assert f"context is {max_model_len} tokens and the prompt has {n}" in error["message"]
 
 
 def test_oversized_bodies_get_413_whether_declared_or_chunked(http):
