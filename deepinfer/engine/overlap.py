@@ -22,7 +22,10 @@ step's positions, and its drafts come from its own result, so a step that verifi
 that proposed some, is planned after the step before returns (engine/engine.py `_can_overlap`). A step planned ahead
 verifies none (the scheduler offers drafts only after every known token is computed); drafts the worker proposed in
 a step that another was planned behind are dropped. Where the draft plan drafts nothing (a batch too big for drafts
-to pay), every step overlaps; where it drafts, steps go one at a time and verify them.
+to pay), every step overlaps; where it drafts, steps go one at a time and verify them. Greedy tokens are those of one
+step at a time; a seeded sampled request's draws depend on where drafts were verified (the rejection rule differs
+from plain sampling), as they already do on the batch with varlen drafts, so with fixed draft lengths
+(enable_mtp_varlen=False, the reproducible mode) steps never overlap.
 
 What runs one step at a time always: a KV store (a save names its block by the tokens in it), prefill/decode
 hand-offs and expert-parallel ranks (their executor is driven from the engine thread too).
@@ -65,6 +68,10 @@ def overlap_blockers(config: EngineConfig, device: str) -> list[str]:
             ("the CPU, where every core computes the forward: the engine thread's work beside it slows the forward "
              "by more than that work takes")
         reasons.append(f"the default on {why}; --async-scheduling turns it on")
+    if config.spec.enabled and not config.enable_mtp_varlen:
+        reasons.append("speculative decoding with fixed draft lengths (enable_mtp_varlen=False, the reproducible mode: "
+                       "every step verifies the drafts proposed, and a seeded draw depends on where drafts were "
+                       "verified)")
     if config.kv_store.kinds:
         reasons.append("a KV store (a block is saved under the hash of its tokens)")
     if config.disagg.role != "both":

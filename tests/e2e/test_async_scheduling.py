@@ -64,6 +64,9 @@ def test_default_is_off_and_on_when_asked():
     assert not overlap_blockers(EngineConfig.from_kwargs(model=None, async_scheduling=True,
                                                          speculative_method="ngram"), "cpu")  # where nothing drafts
     assert overlap_blockers(EngineConfig.from_kwargs(model=None, async_scheduling=True, kv_store="memory"), "cpu")
+    fixed = overlap_blockers(EngineConfig.from_kwargs(model=None, async_scheduling=True, speculative_method="ngram",
+                                                      enable_mtp_varlen=False), "cpu")  # the reproducible mode
+    assert any("fixed draft lengths" in r for r in fixed)
 
 
 def test_speculative_steps_overlap_where_nothing_is_drafted():
