@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import time
@@ -14,15 +13,14 @@ from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer.disagg.params import KVTransferParams, request_transfer, with_transfer_params
-from deepinfer.engine.client import AsyncEngineClient, EngineNotReady, EngineOverloaded, RequestAborted, RequestStream
-from deepinfer.outputs import RequestOutput, merge_delta
+from deepinfer.engine.client import AsyncEngineClient, EngineNotReady, EngineOverloaded, RequestStream
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.auth import Tenants, auth_checker, salted
-from deepinfer.server.metrics import CONTENT_TYPE, RequestTracker, ServerMetrics
+from deepinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from deepinfer.server.openapi import openapi_document
 from deepinfer.server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request,
@@ -30,10 +28,11 @@ from deepinfer.server.protocol import (
 from deepinfer.server.render import ChatRenderer, CompletionRenderer, Renderer, TokenText
 from deepinfer.server.replica_api import add_replica_routes
 from deepinfer.server.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from deepinfer.server.streaming import (RETRY_AFTER_S, SSEResponse, collect_unless_disconnected, merge_streams,
+                                        sse_events)
 
 logger = logging.getLogger("deepinfer.server")
 
-RETRY_AFTER_S = "1"
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a 1M-token prompt as token ids is ~8 MB of JSON
 T = TypeVar("T")
 
@@ -153,10 +152,10 @@ def build_app(engine_client: AsyncEngineClient, settings: ServerSettings) -> Fas
                     engine_client.abort(s.request_id)
                 tracker.abandon()  # counts an abort unless the request finished
 
-        outputs = _merge(streams, trackers, abort_unfinished)
+        outputs = merge_streams(streams, trackers, abort_unfinished)
         if stream:
-            return _SSEResponse(_sse(renderer, outputs), abort_unfinished)
-        finals = await _collect_unless_disconnected(request, outputs, len(streams))
+            return SSEResponse(sse_events(renderer, outputs), abort_unfinished)
+        finals = await collect_unless_disconnected(request, outputs, len(streams))
         return Response(with_transfer_params(renderer.full_response(finals), finals), media_type="application/json")
 
     @app.post("/v1/completions", dependencies=auth)
@@ -297,89 +296,6 @@ async def _add_all(client: AsyncEngineClient, ids: list[str], prompts: list, par
     if isinstance(error, EngineNotReady):
         raise APIError(503, str(error), type="server_error", headers={"Retry-After": RETRY_AFTER_S})
     raise error
-
-
-async def _merge(streams: list[RequestStream], trackers: list[RequestTracker],
-                 abort_unfinished: Callable[[], None]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from all of one HTTP request's engine requests, as they come.
-
-    Leaving early (client gone, error) aborts whatever has not finished, freeing its KV blocks at once.
-    """
-    pending: dict[asyncio.Task, int] = {}
-    try:
-        pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                i = pending.pop(task)
-                out = task.result()
-                trackers[i].update(out)
-                yield i, out
-                if not out.finished:
-                    pending[asyncio.ensure_future(anext(streams[i]))] = i
-    finally:
-        for task in pending:
-            task.cancel()
-        abort_unfinished()
-
-
-class _SSEResponse(StreamingResponse):
-    """Aborts the unfinished requests however the response ends, even if it never started streaming
-    (a client that disconnects at once cancels the response before its body iterator runs)."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-async def _collect_unless_disconnected(request: Request, outputs: AsyncIterator[tuple[int, RequestOutput]],
-                                       count: int) -> list[RequestOutput]:
-    async def collect() -> list[RequestOutput]:
-        finals: list[RequestOutput | None] = [None] * count
-        async for i, out in outputs:  # delta outputs: joined into each prompt's whole output
-            finals[i] = out if finals[i] is None else merge_delta(finals[i], out)
-        return finals
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()  # unwinds _merge, which aborts the unfinished requests
-            await asyncio.gather(work, return_exceptions=True)
-    if work.cancelled():
-        raise APIError(499, "the client closed the connection")
-    try:
-        return work.result()
-    except RequestAborted as e:
-        raise APIError(503, str(e), type="server_error", headers={"Retry-After": RETRY_AFTER_S}) from None
-
-
-async def _sse(renderer: Renderer, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
-    try:
-        for chunk in renderer.first_chunks():
-            yield f"data: {chunk}\n\n"
-        async for i, out in outputs:
-            for chunk in renderer.chunks(i, out):
-                yield f"data: {chunk}\n\n"
-        for chunk in renderer.last_chunks():
-            yield f"data: {chunk}\n\n"
-    except RequestAborted as e:
-        yield f"data: {json.dumps(APIError(503, str(e), type='server_error').body())}\n\n"
-    finally:
-        await outputs.aclose()
-    yield "data: [DONE]\n\n"
 
 
 def _log(request_id: str, tenant: str | None, prompts: int, params: SamplingParams, stream: bool | None,
