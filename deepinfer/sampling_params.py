@@ -54,6 +54,9 @@ class SamplingParams:
     # OpenAI's logit_bias: token id -> a value in [-100, 100] added to that token's logit before penalties, masks
     # and temperature (vLLM's order); -100 bans a token in practice, +100 all but forces it. Logprobs stay raw.
     logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: only these tokens may be sampled (after the bias and penalties; min_tokens still holds
+    # back the stop tokens among them)
+    allowed_token_ids: list[int] | None = None
     detokenize: bool = True  # False: token ids only, no text (vLLM's name; needed with skip_tokenizer_init)
     output_kind: str = "cumulative"  # one of OUTPUT_KINDS
 
@@ -120,6 +123,13 @@ class SamplingParams:
                                  f"(jump-forward) are appended without sampling and have no logprobs")
         if self.logit_bias is not None:
             _validate_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids \
+                    or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "a non-empty list of token ids (integers >= 0)")
+            if self.so_args is not None:
+                raise ValueError("allowed_token_ids cannot be combined with so_args: state the restriction in the "
+                                 "grammar (a regex or an EBNF of the allowed strings)")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise bad("cache_salt", "a string")
         if self.kv_ttl_class is not None and self.kv_ttl_class not in TTL_CLASSES:

@@ -182,7 +182,8 @@ class Engine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty")
-        for what, ids in (("prompt token id", token_ids), ("logit_bias token id", params.logit_bias or ())):
+        for what, ids in (("prompt token id", token_ids), ("logit_bias token id", params.logit_bias or ()),
+                          ("allowed_token_ids token id", params.allowed_token_ids or ())):
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"{what} {bad} is outside the vocabulary [0, {self.vocab_size})")
@@ -191,6 +192,9 @@ class Engine:
                 f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} "
                 f"(the prompt plus at least one generated token must fit)"
             )
+        if params.min_tokens and params.allowed_token_ids \
+                and set(params.allowed_token_ids) <= self.eos_token_ids | set(params.stop_token_ids):
+            raise ValueError("allowed_token_ids allows only stop tokens, which min_tokens holds back")
         sc = self.config.scheduler
         if not sc.enable_chunked_prefill and len(token_ids) > sc.max_num_batched_tokens:
             raise ValueError(

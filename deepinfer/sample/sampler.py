@@ -83,7 +83,7 @@ def _check_inputs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
 def plain_greedy_params(p: SamplingParams) -> bool:
     """Parameters whose rows are the argmax alone, unless a mask or min_tokens intervenes."""
-    return p.greedy and p.logprobs is None and not has_penalties(p) and not p.logit_bias
+    return p.greedy and p.logprobs is None and not has_penalties(p) and not p.logit_bias and p.allowed_token_ids is None
 
 
 def _is_plain_greedy(row: SamplingRow, vocab: int) -> bool:
@@ -120,7 +120,8 @@ def _process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     suppressed = [(i, _suppressed_ids(row, vocab)) for i, row in enumerate(rows)]
     suppressed = [(i, ids) for i, ids in suppressed if ids]
     masked = [i for i, row in enumerate(rows) if row.allowed_token_mask is not None]
-    if not (biased or penalized or suppressed or masked):
+    listed = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    if not (biased or penalized or suppressed or masked or listed):
         return logits
 
     x = logits.float().clone(memory_format=torch.contiguous_format)  # penalties index it flat
@@ -132,6 +133,11 @@ def _process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
                          torch.tensor(b, dtype=x.dtype, device=x.device), accumulate=True)
     if penalized:
         _apply_penalties_(x, penalized, rows)
+    for i in listed:  # every other token of the row to -inf
+        ids = torch.tensor([t for t in rows[i].params.allowed_token_ids if t < vocab], dtype=torch.int64, device=x.device)
+        kept = x[i, ids]
+        x[i] = float("-inf")
+        x[i, ids] = kept
     if suppressed:
         row_index = [i for i, ids in suppressed for _ in ids]
         token_index = [t for _, ids in suppressed for t in ids]
@@ -140,7 +146,7 @@ def _process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         index = torch.tensor(masked, device=x.device)
         allowed = torch.stack([rows[i].allowed_token_mask for i in masked]).to(x.device)
         x[index] = x[index].masked_fill(~allowed, float("-inf"))
-    restricted = sorted({i for i, _ in suppressed} | set(masked))
+    restricted = sorted({i for i, _ in suppressed} | set(masked) | set(listed))
     if restricted:
         nothing_left = torch.isneginf(x[torch.tensor(restricted, device=x.device)].amax(dim=-1))
         if nothing_left.any():

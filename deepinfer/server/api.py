@@ -289,7 +289,8 @@ async def _add_all(client: AsyncEngineClient, ids: list[str], prompts: list, par
         client.abort(request_id)
     error = errors[0]
     if isinstance(error, ValueError):  # the engine's checks: the prompt's, or a token id the request names
-        raise APIError(400, str(error), param="logit_bias" if str(error).startswith("logit_bias") else "prompt")
+        named = str(error).split(" ", 1)[0]
+        raise APIError(400, str(error), param=named if named in ("logit_bias", "allowed_token_ids") else "prompt")
     if isinstance(error, EngineOverloaded):
         raise APIError(503, f"the server is overloaded ({error}); retry later", type="server_error",
                        code="overloaded", headers={"Retry-After": RETRY_AFTER_S})

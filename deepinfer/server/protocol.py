@@ -198,6 +198,9 @@ class _SamplingRequest(_Request):
     ignore_eos: bool | None = None
     min_tokens: _int(ge=0, le=MAX_INT32) | None = None
     stop_token_ids: Annotated[list[_int(ge=0, le=MAX_INT32)], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_LOGIT_BIAS)] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     user: str | None = None  # recorded in the request log line
     cache_salt: str | None = None  # prefix-cache tenant: requests with another salt never share KV blocks
     kv_ttl_class: Literal["agent", "chatbot"] | None = None  # how long the KV store keeps this request's blocks
@@ -233,6 +236,8 @@ class _SamplingRequest(_Request):
             "cache_salt": self.cache_salt, "kv_ttl_class": self.kv_ttl_class, "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids,
             "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            "allowed_token_ids": self.allowed_token_ids, "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
         }
         constraint = self.structured_output()
         # each step hands over only what is new (no per-step copies that grow with the output); a response that is

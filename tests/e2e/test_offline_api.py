@@ -79,6 +79,19 @@ def test_logit_bias_in_a_batch_moves_only_its_own_request(smol):
     assert "logit_bias token id 1000000 is outside the vocabulary" in outs[3].error
 
 
+def test_allowed_token_ids_restrict_the_output_and_conflicts_are_refused(smol):
+    tok = smol.get_tokenizer()
+    allowed = [tok(w).input_ids[0] for w in (" yes", " no", " maybe")]
+    out = smol.generate("Is the sky blue? Answer:", SamplingParams(temperature=0.8, seq_seed=1, max_tokens=8,
+                                                                   allowed_token_ids=allowed), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8 and set(out.outputs[0].token_ids) <= set(allowed)
+    eos = sorted(smol.engine.eos_token_ids)
+    bad = smol.generate(["x", "y"], [SamplingParams(allowed_token_ids=[10**6]),
+                                     SamplingParams(allowed_token_ids=eos, min_tokens=2)], use_tqdm=False)
+    assert "allowed_token_ids token id 1000000 is outside the vocabulary" in bad[0].error
+    assert "allows only stop tokens, which min_tokens holds back" in bad[1].error
+
+
 def test_outputs_in_input_order_with_metrics(smol):
     prompts = ["a " * 50, "b", "c " * 10]
     outs = smol.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)

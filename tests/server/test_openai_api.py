@@ -145,6 +145,19 @@ def test_logit_bias_forces_and_bans_tokens(client, http):
     assert banned.choices[0].logprobs.token_logprobs[0] < plain.choices[0].logprobs.token_logprobs[0]  # raw: lower
 
 
+def test_vllm_sampling_extensions_allowed_tokens_and_stop_string_kept(client, http):
+    allowed = [http.post("/tokenize", json={"prompt": w}).json()["tokens"][0] for w in (" Paris", " London")]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=1.0, seed=3,
+                                    extra_body={"allowed_token_ids": allowed})
+    tokens = http.post("/tokenize", json={"prompt": out.choices[0].text}).json()["tokens"]
+    assert set(tokens) <= set(allowed) and len(tokens) == 4
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+    stop = plain.strip()[:3]
+    kept = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert kept.finish_reason == "stop" and kept.text.endswith(stop) and plain.startswith(kept.text)
+
+
 def test_models_health_tokenize(client, http, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert http.get("/health").status_code == 200

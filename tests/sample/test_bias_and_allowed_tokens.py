@@ -1,12 +1,13 @@
 """OpenAI's logit_bias: validated at construction, added to a row's logits before penalties and masks (vLLM's
-order), per row, leaving logprobs raw; and through the engine, where a token id must lie in the vocabulary."""
+order), per row, leaving logprobs raw. vLLM's allowed_token_ids: only those tokens sampled, min_tokens still
+holding back the stop tokens among them."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.worker.runner import _RequestState
+from deepinfer.worker.runner import Tokens, _RequestState
 from tests.sample.test_sampler import row, sampler
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
@@ -49,6 +50,26 @@ def test_bias_comes_before_penalties_and_logprobs_stay_raw():
 def test_a_biased_greedy_request_is_not_an_argmax_row():
     """The worker answers plain greedy rows with the LM head's argmax in the kernel (no logits): a bias must not take
     that path."""
-    from deepinfer.worker.runner import Tokens
     state = _RequestState(Tokens([1, 2], 2), [], SamplingParams(temperature=0, logit_bias={5: 1.0}), 0, frozenset())
+    assert not state.argmax_only
+
+
+@pytest.mark.parametrize("allowed,error", [
+    ([], "non-empty list"), ((1, 2), "non-empty list"), ([1, -2], "non-empty list"), ([True], "non-empty list"),
+])
+def test_bad_allowed_lists_are_refused(allowed, error):
+    with pytest.raises(ValueError, match=f"allowed_token_ids must be a {error}"):
+        SamplingParams(allowed_token_ids=allowed)
+    with pytest.raises(ValueError, match="cannot be combined with so_args"):
+        SamplingParams(allowed_token_ids=[1], so_args={"schema_type": "regex", "schema": "a"})
+
+
+def test_only_allowed_tokens_are_sampled_and_min_tokens_still_holds_back_stops():
+    greedy = SamplingParams(temperature=0, allowed_token_ids=[2, 4])
+    out = sampler(LOGITS.repeat(2, 1), [row(greedy), row(SamplingParams(temperature=0))])
+    assert out.token_ids == [2, 0]  # 0.5 beats 0.0; the unrestricted row keeps its argmax
+    sampled = SamplingParams(temperature=5.0, seq_seed=3, allowed_token_ids=[1, 3, 4], min_tokens=2)
+    tokens = sampler(LOGITS.repeat(64, 1), [row(sampled, seed=s, eos=[4]) for s in range(64)]).token_ids
+    assert set(tokens) == {1, 3}  # 4 is the EOS, held back before two tokens
+    state = _RequestState(Tokens([1, 2], 2), [], SamplingParams(temperature=0, allowed_token_ids=[5]), 0, frozenset())
     assert not state.argmax_only
