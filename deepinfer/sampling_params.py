@@ -57,6 +57,7 @@ class SamplingParams:
     # vLLM's allowed_token_ids: only these tokens may be sampled (after the bias and penalties; min_tokens still holds
     # back the stop tokens among them)
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last N tokens (left truncation)
     detokenize: bool = True  # False: token ids only, no text (vLLM's name; needed with skip_tokenizer_init)
     output_kind: str = "cumulative"  # one of OUTPUT_KINDS
 
@@ -123,6 +124,9 @@ class SamplingParams:
                                  f"(jump-forward) are appended without sampling and have no logprobs")
         if self.logit_bias is not None:
             _validate_logit_bias(self.logit_bias)
+        if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens)
+                                                        or self.truncate_prompt_tokens < 1):
+            raise bad("truncate_prompt_tokens", "an integer >= 1 or None")
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids \
                     or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids):

@@ -148,14 +148,16 @@ class Engine:
         """Validates and queues a request (kv_transfer: a prefill/decode hand-off); ValueError names what is wrong."""
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self.tokenize(prompt)
+        full = self.tokenize(prompt)
+        token_ids = full[-(params.truncate_prompt_tokens or 0):]  # vLLM's left truncation
         self._validate(token_ids, params)
         self.handoff.check(kv_transfer, params)
         grammar = self.structured.compile(params.so_args) if params.so_args is not None else None
         arrival = time.time() if arrival_time is None else arrival_time
         state = RequestState(
             request_id=request_id,
-            prompt=prompt if isinstance(prompt, str) else None,
+            prompt=(prompt if len(token_ids) == len(full) else self.tokenizer.decode(token_ids))
+            if isinstance(prompt, str) else None,
             prompt_token_ids=token_ids,
             sequences=[new_sequence(params) for _ in range(params.n)],
             metrics=RequestMetrics(arrival_time=arrival),

@@ -130,9 +130,11 @@ def build_app(engine_client: AsyncEngineClient, settings: ServerSettings) -> Fas
         error (param prompt)."""
         limit, wanted = engine_client.engine.max_model_len, params.max_tokens
         for prompt in prompts if wanted is not None else ():
-            if isinstance(prompt, str) and len(prompt.encode()) + 8 + wanted <= limit:
+            if (isinstance(prompt, str) and len(prompt.encode()) + 8 + wanted <= limit) \
+                    or (params.truncate_prompt_tokens or limit) + wanted <= limit:
                 continue
             n = len(await _call(engine_client.tokenize, prompt)) if isinstance(prompt, str) else len(prompt)
+            n = min(n, params.truncate_prompt_tokens or n)
             if n < limit < n + wanted:
                 raise APIError(400, f"max_tokens={wanted} is too large: this model's context is {limit} tokens and "
                                     f"the prompt has {n}, leaving {limit - n} to generate", param="max_tokens")

@@ -92,6 +92,22 @@ def test_allowed_token_ids_restrict_the_output_and_conflicts_are_refused(smol):
     assert "allows only stop tokens, which min_tokens holds back" in bad[1].error
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(smol):
+    text = "Some words to drop at the start. The capital of France is"
+    ids = smol.get_tokenizer()(text).input_ids
+    tail = smol.get_tokenizer()(" The capital of France is").input_ids
+    assert ids[-len(tail):] == tail
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    cut = smol.generate(text, greedy.replace(truncate_prompt_tokens=len(tail)), use_tqdm=False)[0]
+    alone = smol.generate({"prompt_token_ids": tail}, greedy, use_tqdm=False)[0]
+    assert cut.prompt_token_ids == tail and cut.prompt == " The capital of France is"
+    assert cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    whole = smol.generate(text, greedy.replace(truncate_prompt_tokens=10**6), use_tqdm=False)[0]
+    assert whole.prompt_token_ids == ids and whole.prompt == text
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
 def test_outputs_in_input_order_with_metrics(smol):
     prompts = ["a " * 50, "b", "c " * 10]
     outs = smol.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)

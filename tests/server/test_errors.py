@@ -204,6 +204,10 @@ def test_prompts_at_and_past_the_context(http, max_model_len):
         error = refused.json()["error"]
         assert refused.status_code == 400 and error["param"] == "max_tokens", refused.text
         assert f"context is {max_model_len} tokens and the prompt has {n}" in error["message"]
+    # vLLM's truncate_prompt_tokens: the prompt's last tokens only, counted as such
+    cut = http.post("/v1/completions", json={"model": MODEL, "prompt": [198] * (max_model_len + 5), "max_tokens": 16,
+                                              "truncate_prompt_tokens": max_model_len - 16, "ignore_eos": True})
+    assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == max_model_len - 16, cut.text
 
 
 def test_oversized_bodies_get_413_whether_declared_or_chunked(http):
