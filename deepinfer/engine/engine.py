@@ -16,7 +16,7 @@ from deepinfer.core.plan import LateMasks, StepPlan, StepResult
 from deepinfer.core.request import Request
 from deepinfer.core.scheduler import Scheduler
 from deepinfer.engine.handoff import EngineHandoff, KVTransferParams
-from deepinfer.engine.io import RequestState, eos_ids, new_sequence, record_step_metrics
+from deepinfer.engine.io import RequestState, eos_ids, new_sequence, record_step_metrics, validate_request
 from deepinfer.kvstore.connector import KVStoreConnector, model_identity
 from deepinfer.engine.structured import StructuredOutputs
 from deepinfer.engine.overlap import StepPipeline, describe_overlap, extra_decode_steps, overlap_blockers
@@ -150,7 +150,8 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         full = self.tokenize(prompt)
         token_ids = full[-(params.truncate_prompt_tokens or 0):]  # vLLM's left truncation
-        self._validate(token_ids, params)
+        validate_request(token_ids, params, self.vocab_size, self.max_model_len, self.eos_token_ids,
+                         self.config.scheduler)
         self.handoff.check(kv_transfer, params)
         grammar = self.structured.compile(params.so_args) if params.so_args is not None else None
         arrival = time.time() if arrival_time is None else arrival_time
@@ -178,31 +179,6 @@ class Engine:
             request = Request(child_id, token_ids, child_params, seed, arrival, self.eos_token_ids)
             self.handoff.prepare(request, kv_transfer)
             self.scheduler.add(request)
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        for what, ids in (("prompt token id", token_ids), ("logit_bias token id", params.logit_bias or ()),
-                          ("allowed_token_ids token id", params.allowed_token_ids or ())):
-            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"{what} {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} "
-                f"(the prompt plus at least one generated token must fit)"
-            )
-        if params.min_tokens and params.allowed_token_ids \
-                and set(params.allowed_token_ids) <= self.eos_token_ids | set(params.stop_token_ids):
-            raise ValueError("allowed_token_ids allows only stop tokens, which min_tokens holds back")
-        sc = self.config.scheduler
-        if not sc.enable_chunked_prefill and len(token_ids) > sc.max_num_batched_tokens:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens, more than max_num_batched_tokens={sc.max_num_batched_tokens} "
-                f"with chunked prefill off"
-            )
 
     def abort_request(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)

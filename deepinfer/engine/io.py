@@ -1,4 +1,5 @@
-"""Token ids -> text for outputs: incremental detokenization, stop strings, logprobs, n > 1 fan-in."""
+"""A request's way in and out: its checks against the model (validate_request), and token ids -> text for outputs:
+incremental detokenization, stop strings, logprobs, n > 1 fan-in."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tokenizers.decoders import DecodeStream
 
+from deepinfer.config import SchedulerConfig
 from deepinfer.core.request import Request
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from deepinfer.sampling_params import SamplingParams
@@ -137,3 +139,27 @@ def eos_ids(hf_config: dict, tokenizer) -> frozenset[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(int(i) for i in ids)
+
+
+def validate_request(token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                     eos_token_ids: frozenset[int], scheduler: SchedulerConfig) -> None:
+    """What a request's parameters cannot say alone: its prompt against the model, the token ids it names against
+    the vocabulary. ValueError names what is wrong."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    if not token_ids:
+        raise ValueError("prompt is empty")
+    for what, ids in (("prompt token id", token_ids), ("logit_bias token id", params.logit_bias or ()),
+                      ("allowed_token_ids token id", params.allowed_token_ids or ())):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{what} {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {max_model_len} "
+                         f"(the prompt plus at least one generated token must fit)")
+    if params.min_tokens and params.allowed_token_ids \
+            and set(params.allowed_token_ids) <= eos_token_ids | set(params.stop_token_ids):
+        raise ValueError("allowed_token_ids allows only stop tokens, which min_tokens holds back")
+    if not scheduler.enable_chunked_prefill and len(token_ids) > scheduler.max_num_batched_tokens:
+        raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_num_batched_tokens="
+                         f"{scheduler.max_num_batched_tokens} with chunked prefill off")
