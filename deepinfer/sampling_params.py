@@ -58,6 +58,11 @@ class SamplingParams:
     # back the stop tokens among them)
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last N tokens (left truncation)
+    # vLLM's bad_words: words never generated. The engine turns each into its token sequences (as written and after a
+    # space): a sequence's last token is banned wherever the output so far ends with the tokens before it, unless
+    # that would leave no token to draw (with allowed_token_ids, a grammar or min_tokens).
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None  # set by the engine from bad_words (or given directly)
     detokenize: bool = True  # False: token ids only, no text (vLLM's name; needed with skip_tokenizer_init)
     output_kind: str = "cumulative"  # one of OUTPUT_KINDS
 
@@ -127,6 +132,14 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens)
                                                         or self.truncate_prompt_tokens < 1):
             raise bad("truncate_prompt_tokens", "an integer >= 1 or None")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list)
+                                           or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise bad("bad_words", "a list of words (non-blank strings)")
+        if self.bad_words_token_ids is not None and (
+                not isinstance(self.bad_words_token_ids, list)
+                or not all(isinstance(seq, list) and seq and all(_is_int(t) and t >= 0 for t in seq)
+                           for seq in self.bad_words_token_ids)):
+            raise bad("bad_words_token_ids", "a list of non-empty token id lists")
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids \
                     or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids):

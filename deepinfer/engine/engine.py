@@ -16,7 +16,8 @@ from deepinfer.core.plan import LateMasks, StepPlan, StepResult
 from deepinfer.core.request import Request
 from deepinfer.core.scheduler import Scheduler
 from deepinfer.engine.handoff import EngineHandoff, KVTransferParams
-from deepinfer.engine.io import RequestState, eos_ids, new_sequence, record_step_metrics, validate_request
+from deepinfer.engine.io import (RequestState, bad_word_sequences, eos_ids, new_sequence, record_step_metrics,
+                                 validate_request)
 from deepinfer.kvstore.connector import KVStoreConnector, model_identity
 from deepinfer.engine.structured import StructuredOutputs
 from deepinfer.engine.overlap import StepPipeline, describe_overlap, extra_decode_steps, overlap_blockers
@@ -165,6 +166,9 @@ class Engine:
         )
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
         child_params = params.replace(n=1, max_tokens=max_tokens)
+        if params.bad_words:  # their token sequences, once
+            child_params = child_params.replace(bad_words_token_ids=[*(params.bad_words_token_ids or ()),
+                                                                     *bad_word_sequences(self.tokenizer, params.bad_words)])
         self._states[request_id] = state
         self._prompt_tokens += len(token_ids) * params.n
         for i in range(params.n):

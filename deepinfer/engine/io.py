@@ -141,6 +141,18 @@ def eos_ids(hf_config: dict, tokenizer) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
+def bad_word_sequences(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's token sequences: as written at the start of a text and after a space (most tokenizers spell a
+    word differently there), without duplicates."""
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word.strip(), " " + word.strip()):
+            ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
 def validate_request(token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
                      eos_token_ids: frozenset[int], scheduler: SchedulerConfig) -> None:
     """What a request's parameters cannot say alone: its prompt against the model, the token ids it names against
@@ -150,7 +162,8 @@ def validate_request(token_ids: list[int], params: SamplingParams, vocab_size: i
     if not token_ids:
         raise ValueError("prompt is empty")
     for what, ids in (("prompt token id", token_ids), ("logit_bias token id", params.logit_bias or ()),
-                      ("allowed_token_ids token id", params.allowed_token_ids or ())):
+                      ("allowed_token_ids token id", params.allowed_token_ids or ()),
+                      ("bad_words_token_ids token id", [t for seq in params.bad_words_token_ids or () for t in seq])):
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise ValueError(f"{what} {bad} is outside the vocabulary [0, {vocab_size})")

@@ -83,7 +83,8 @@ def _check_inputs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
 def plain_greedy_params(p: SamplingParams) -> bool:
     """Parameters whose rows are the argmax alone, unless a mask or min_tokens intervenes."""
-    return p.greedy and p.logprobs is None and not has_penalties(p) and not p.logit_bias and p.allowed_token_ids is None
+    return (p.greedy and p.logprobs is None and not has_penalties(p) and not p.logit_bias
+            and p.allowed_token_ids is None and not p.bad_words_token_ids)
 
 
 def _is_plain_greedy(row: SamplingRow, vocab: int) -> bool:
@@ -99,6 +100,15 @@ def _suppressed_ids(row: SamplingRow, vocab: int) -> list[int]:
         return []
     # An id outside the vocabulary can never be drawn, so suppressing it is vacuous.
     return sorted(t for t in row.eos_token_ids | set(row.params.stop_token_ids) if 0 <= t < vocab)
+
+
+def _bad_word_ids(row: SamplingRow, vocab: int) -> list[int]:
+    """The last token of each bad word whose tokens before it end the output so far."""
+    out, banned = row.output_token_ids, set()
+    for seq in row.params.bad_words_token_ids or ():
+        if len(seq) == 1 or (len(out) >= len(seq) - 1 and list(out[len(out) - len(seq) + 1:]) == seq[:-1]):
+            banned.add(seq[-1])
+    return sorted(t for t in banned if t < vocab)
 
 
 def _suppresses_stops(row: SamplingRow, vocab: int) -> bool:
@@ -121,7 +131,9 @@ def _process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     suppressed = [(i, ids) for i, ids in suppressed if ids]
     masked = [i for i, row in enumerate(rows) if row.allowed_token_mask is not None]
     listed = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
-    if not (biased or penalized or suppressed or masked or listed):
+    bad = [(i, _bad_word_ids(row, vocab)) for i, row in enumerate(rows) if row.params.bad_words_token_ids]
+    bad = [(i, ids) for i, ids in bad if ids]
+    if not (biased or penalized or suppressed or masked or listed or bad):
         return logits
 
     x = logits.float().clone(memory_format=torch.contiguous_format)  # penalties index it flat
@@ -153,8 +165,14 @@ def _process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
             i = restricted[int(nothing_left.nonzero()[0, 0])]
             raise ValueError(
                 f"row {i}: no token is allowed (min_tokens={rows[i].params.min_tokens} suppresses "
-                f"{_suppressed_ids(rows[i], vocab)} and the allowed_token_mask allows nothing else)"
+                f"{_suppressed_ids(rows[i], vocab)} and the allowed tokens are nothing else)"
             )
+    for i, ids in bad:  # last, and only where they leave a token to draw: a bad word never fails a request
+        index = torch.tensor(ids, dtype=torch.int64, device=x.device)
+        kept = x[i, index]
+        x[i, index] = float("-inf")
+        if torch.isneginf(x[i].amax()):
+            x[i, index] = kept
     return x
 
 

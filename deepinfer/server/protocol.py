@@ -201,6 +201,7 @@ class _SamplingRequest(_Request):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_LOGIT_BIAS)] | None = None
     truncate_prompt_tokens: _int(ge=1, le=MAX_INT32) | None = Field(default=None, description="keep only the "
                                                                     "prompt's last N tokens")
+    bad_words: Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     user: str | None = None  # recorded in the request log line
@@ -240,7 +241,7 @@ class _SamplingRequest(_Request):
             "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             "allowed_token_ids": self.allowed_token_ids, "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
-            "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens, "bad_words": self.bad_words,
         }
         constraint = self.structured_output()
         # each step hands over only what is new (no per-step copies that grow with the output); a response that is

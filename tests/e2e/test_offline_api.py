@@ -92,6 +92,19 @@ def test_allowed_token_ids_restrict_the_output_and_conflicts_are_refused(smol):
     assert "allows only stop tokens, which min_tokens holds back" in bad[1].error
 
 
+def test_bad_words_never_appear_as_their_tokens(smol):
+    prompt, greedy = "The capital of France is", SamplingParams(temperature=0, max_tokens=12)
+    plain = smol.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
+    word = plain.text.split()[0]  # the answer's first word
+    out = smol.generate(prompt, greedy.replace(bad_words=[word]), use_tqdm=False)[0]
+    sequences = smol.engine.tokenizer(" " + word, add_special_tokens=False).input_ids, \
+        smol.engine.tokenizer(word, add_special_tokens=False).input_ids
+    ids = out.outputs[0].token_ids
+    assert ids != plain.token_ids
+    for seq in sequences:
+        assert not any(ids[i:i + len(seq)] == seq for i in range(len(ids)))
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(smol):
     text = "Some words to drop at the start. The capital of France is"
     ids = smol.get_tokenizer()(text).input_ids

@@ -1,6 +1,7 @@
 """OpenAI's logit_bias: validated at construction, added to a row's logits before penalties and masks (vLLM's
 order), per row, leaving logprobs raw. vLLM's allowed_token_ids: only those tokens sampled, min_tokens still
-holding back the stop tokens among them."""
+holding back the stop tokens among them. vLLM's bad words: a sequence's last token banned where the output ends with
+the tokens before it."""
 from __future__ import annotations
 
 import pytest
@@ -73,3 +74,16 @@ def test_only_allowed_tokens_are_sampled_and_min_tokens_still_holds_back_stops()
     assert set(tokens) == {1, 3}  # 4 is the EOS, held back before two tokens
     state = _RequestState(Tokens([1, 2], 2), [], SamplingParams(temperature=0, allowed_token_ids=[5]), 0, frozenset())
     assert not state.argmax_only
+
+
+def test_a_bad_words_last_token_is_banned_only_after_the_tokens_before_it():
+    params = SamplingParams(temperature=0, bad_words_token_ids=[[0], [3, 1]])
+    rows = [row(params), row(params, output=[3]), row(params, output=[1, 3]), row(params, output=[3, 2])]
+    assert sampler(LOGITS.repeat(4, 1), rows).token_ids == [1, 2, 2, 1]  # 0 always; 1 right after a 3
+    # a ban that would leave nothing to draw yields (never a failed step): allowed [1], 1 banned after a 3
+    only = SamplingParams(temperature=0, allowed_token_ids=[1], bad_words_token_ids=[[3, 1]])
+    assert sampler(LOGITS, [row(only, output=[3])]).token_ids == [1]
+    with pytest.raises(ValueError, match="bad_words must be a list of words"):
+        SamplingParams(bad_words=["ok", "  "])
+    with pytest.raises(ValueError, match="bad_words_token_ids must be a list of non-empty token id lists"):
+        SamplingParams(bad_words_token_ids=[[1], []])

@@ -156,6 +156,10 @@ def test_vllm_sampling_extensions_allowed_tokens_and_stop_string_kept(client, ht
     kept = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop],
                                      extra_body={"include_stop_str_in_output": True}).choices[0]
     assert kept.finish_reason == "stop" and kept.text.endswith(stop) and plain.startswith(kept.text)
+    word = plain.split()[0]
+    banned = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                       extra_body={"bad_words": [word]}).choices[0].text
+    assert banned != plain and not banned.startswith(" " + word)
 
 
 def test_models_health_tokenize(client, http, server):
