@@ -119,12 +119,17 @@ class LLM:
         messages: list[Message] | Sequence[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template (with the generation prompt) to each conversation."""
+        """Applies the model's chat template to each conversation: with the generation prompt (a new assistant
+        turn), or, with continue_final_message (vLLM's option), leaving the last assistant message open to go on."""
         if self.skip_tokenizer_init:
             raise ValueError("skip_tokenizer_init=True: chat() needs the tokenizer's chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.engine.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm)
+        prompts = [self.engine.apply_chat_template(c, add_generation_prompt, continue_final_message)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], results: dict[str, RequestOutput], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(ids) - set(results)

@@ -241,8 +241,10 @@ class AsyncEngineClient:
     async def tokenize(self, prompt: str | list[int]) -> list[int]:
         return await asyncio.to_thread(self.engine.tokenize, prompt)
 
-    async def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        return await asyncio.to_thread(self.engine.apply_chat_template, messages)
+    async def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                                  continue_final_message: bool = False) -> list[int]:
+        return await asyncio.to_thread(self.engine.apply_chat_template, messages, add_generation_prompt,
+                                       continue_final_message)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         return await asyncio.to_thread(self.engine.tokenizer.decode, token_ids)

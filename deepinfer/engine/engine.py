@@ -138,10 +138,16 @@ class Engine:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> list[int]:
+        """vLLM's options: continue_final_message leaves the last (assistant) message open for the model to go on
+        with (assistant prefill), instead of opening a new turn."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if continue_final_message and (add_generation_prompt or not messages or messages[-1]["role"] != "assistant"):
+            raise ValueError("continue_final_message needs add_generation_prompt=False and an assistant message last")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message)
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

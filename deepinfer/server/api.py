@@ -181,7 +181,8 @@ def build_app(engine_client: AsyncEngineClient, settings: ServerSettings) -> Fas
         check_serving()
         await check_constraint(body, params)
         messages = [m.as_template_input() for m in body.messages]
-        prompt = await _call(engine_client.apply_chat_template, messages)
+        prompt = await _call(engine_client.apply_chat_template, messages, body.add_generation_prompt is not False,
+                             bool(body.continue_final_message))
         renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", settings.model_name, params, token_text(), body)
         _log(renderer.request_id, request.state.tenant, 1, params, body.stream, body.user)
         transfer = _params(lambda: request_transfer(body.kv_transfer_params, 1, params, bool(body.stream)))
@@ -261,22 +262,26 @@ def _too_large(size: int, limit: int) -> APIError:
                          f"accepts at most {limit} (--max-request-bytes)", code="request_too_large")
 
 
+def _named_field(message: str) -> str | None:
+    """The request field a ValueError's message starts with, if any."""
+    first = re.match(r"[A-Za-z_]+", message)
+    name = {"seq_seed": "seed"}.get(first.group(), first.group()) if first else None
+    return name if name in CompletionRequest.model_fields.keys() | ChatCompletionRequest.model_fields.keys() else None
+
+
 def _params(make: Callable[[], T]) -> T:
     """Runs a request's conversion; a ValueError becomes a 400 naming the field its message starts with."""
     try:
         return make()
     except ValueError as e:
-        first = re.match(r"[A-Za-z_]+", str(e))
-        name = {"seq_seed": "seed"}.get(first.group(), first.group()) if first else None
-        fields = CompletionRequest.model_fields.keys() | ChatCompletionRequest.model_fields.keys()
-        raise APIError(400, str(e), param=name if name in fields else None) from None
+        raise APIError(400, str(e), param=_named_field(str(e))) from None
 
 
 async def _call(fn: Callable[..., Awaitable[T]], *args: object) -> T:
     try:
         return await fn(*args)
     except ValueError as e:
-        raise APIError(400, str(e)) from None
+        raise APIError(400, str(e), param=_named_field(str(e))) from None
 
 
 async def _add_all(client: AsyncEngineClient, ids: list[str], prompts: list, params: SamplingParams,
@@ -291,8 +296,7 @@ async def _add_all(client: AsyncEngineClient, ids: list[str], prompts: list, par
         client.abort(request_id)
     error = errors[0]
     if isinstance(error, ValueError):  # the engine's checks: the prompt's, or a token id the request names
-        named = str(error).split(" ", 1)[0]
-        raise APIError(400, str(error), param=named if named in ("logit_bias", "allowed_token_ids") else "prompt")
+        raise APIError(400, str(error), param=_named_field(str(error)) or "prompt")
     if isinstance(error, EngineOverloaded):
         raise APIError(503, f"the server is overloaded ({error}); retry later", type="server_error",
                        code="overloaded", headers={"Retry-After": RETRY_AFTER_S})

@@ -318,6 +318,10 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Count | None = Field(default=None, description="alias of max_tokens; if both, equal")
     logprobs: bool | None = False
     top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = Field(default=None, description="needs logprobs: true")
+    # vLLM's: continue_final_message (with add_generation_prompt false) lets the model go on with the last,
+    # assistant, message (assistant prefill)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.max_tokens is not None and self.max_completion_tokens is not None \

@@ -105,6 +105,21 @@ def test_bad_words_never_appear_as_their_tokens(smol):
         assert not any(ids[i:i + len(seq)] == seq for i in range(len(ids)))
 
 
+def test_chat_continues_the_final_assistant_message(smol):
+    """vLLM's continue_final_message: the template leaves the last assistant message open (assistant prefill), so
+    the model goes on with it instead of starting a new turn."""
+    start = "The three primary colors are"
+    conversation = [{"role": "user", "content": "Name the primary colors."}, {"role": "assistant", "content": start}]
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    out = smol.chat(conversation, greedy, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    prompt = smol.get_tokenizer().decode(out.prompt_token_ids)
+    assert prompt.endswith(start) and prompt.count("<|im_start|>assistant") == 1
+    new_turn = smol.chat(conversation, greedy, use_tqdm=False)[0]
+    assert smol.get_tokenizer().decode(new_turn.prompt_token_ids).count("<|im_start|>assistant") == 2
+    with pytest.raises(ValueError, match="continue_final_message needs add_generation_prompt=False"):
+        smol.chat(conversation[:1], greedy, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(smol):
     text = "Some words to drop at the start. The capital of France is"
     ids = smol.get_tokenizer()(text).input_ids

@@ -41,6 +41,7 @@ CASES = [
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"a token": 1}}, 400, "logit_bias.a token"),
     ("/v1/completions", {**COMPLETION, "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ("/v1/completions", {**COMPLETION, "bad_words": ["  "]}, 400, "bad_words"),
+    ("/v1/chat/completions", {**CHAT, "continue_final_message": True}, 400, "continue_final_message"),
     ("/v1/completions", {**COMPLETION, "allowed_token_ids": [49152]}, 400, "allowed_token_ids"),
     ("/v1/chat/completions", {**CHAT, "allowed_token_ids": [2], "min_tokens": 1}, 400, "allowed_token_ids"),
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "prompt"),

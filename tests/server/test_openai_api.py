@@ -162,6 +162,14 @@ def test_vllm_sampling_extensions_allowed_tokens_and_stop_string_kept(client, ht
     assert banned != plain and not banned.startswith(" " + word)
 
 
+def test_chat_continues_the_final_assistant_message(client):
+    start = "The three primary colors are"
+    out = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": "Name the primary colors."}, {"role": "assistant", "content": start}],
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert out.choices[0].message.content and out.usage.completion_tokens == 6
+
+
 def test_models_health_tokenize(client, http, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert http.get("/health").status_code == 200
