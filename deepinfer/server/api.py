@@ -128,13 +128,14 @@ def build_app(engine_client: AsyncEngineClient, settings: ServerSettings) -> Fas
         (not a silent stop at max_model_len). A text prompt is tokenized for it only where its UTF-8 bytes (a token
         spells at least one, plus a few special tokens) could reach the limit; a prompt alone past it is the engine's
         error (param prompt)."""
-        limit, wanted = engine_client.engine.max_model_len, params.max_tokens
-        for prompt in prompts if wanted is not None else ():
-            if (isinstance(prompt, str) and len(prompt.encode()) + 8 + wanted <= limit) \
-                    or (params.truncate_prompt_tokens or limit) + wanted <= limit:
+        limit, wanted, kept = engine_client.engine.max_model_len, params.max_tokens, params.truncate_prompt_tokens
+        if wanted is None or (kept is not None and kept + wanted <= limit):
+            return  # no bound asked for, or the kept tail always fits
+        for prompt in prompts:
+            if isinstance(prompt, str) and len(prompt.encode()) + 8 + wanted <= limit:
                 continue
             n = len(await _call(engine_client.tokenize, prompt)) if isinstance(prompt, str) else len(prompt)
-            n = min(n, params.truncate_prompt_tokens or n)
+            n = min(n, kept or n)
             if n < limit < n + wanted:
                 raise APIError(400, f"max_tokens={wanted} is too large: this model's context is {limit} tokens and "
                                     f"the prompt has {n}, leaving {limit - n} to generate", param="max_tokens")

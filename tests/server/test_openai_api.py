@@ -164,10 +164,12 @@ def test_vllm_sampling_extensions_allowed_tokens_and_stop_string_kept(client, ht
 
 def test_chat_continues_the_final_assistant_message(client):
     start = "The three primary colors are"
-    out = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, messages=[
-        {"role": "user", "content": "Name the primary colors."}, {"role": "assistant", "content": start}],
-        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    messages = [{"role": "user", "content": "Name the primary colors."}, {"role": "assistant", "content": start}]
+    out = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, messages=messages,
+                                         extra_body={"add_generation_prompt": False, "continue_final_message": True})
     assert out.choices[0].message.content and out.usage.completion_tokens == 6
+    new_turn = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, messages=messages)
+    assert out.usage.prompt_tokens < new_turn.usage.prompt_tokens  # no end of turn, no new assistant turn
 
 
 def test_models_health_tokenize(client, http, server):
