@@ -13,6 +13,7 @@ in one process, taking turns for --rounds rounds (the machine drifts 5-10% betwe
 round.
 
     python benchmarks/spec_decode.py                                  # batch 1, 8, 32; off / ngram / mtp
+    python benchmarks/spec_decode.py --batch-sizes 1 --modes off,ngram,mtp+ngram --k 8 --stop-at-eos
     python benchmarks/spec_decode.py --llama-bin ~/llama.cpp/build/bin --batch-sizes 1
 """
 from __future__ import annotations
@@ -50,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--batch-sizes", default="1,8,32")
-    parser.add_argument("--modes", default="off,ngram,mtp")
+    parser.add_argument("--modes", default="off,ngram,mtp",
+                        help="off, ngram, mtp, mtp+ngram (the n-gram lookup first, MTP where it finds no match)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--waves", type=int, default=4, help="batch B > 1: waves x B requests through B slots")
@@ -83,7 +85,7 @@ def run_deepinfer(llm, prompts: list[list[int]], batch: int, max_tokens: int, wa
     from deepinfer import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=not stop_at_eos)
-    stats0 = llm.engine.stats().spec_decode
+    stats0, times0 = llm.engine.stats().spec_decode, llm.engine.step_times.copy()
     count = max(batch * waves, len(prompts)) if batch > 1 else len(prompts)
     requests = [prompts[i % len(prompts)] for i in range(count)]
     start = time.perf_counter()
@@ -94,7 +96,9 @@ def run_deepinfer(llm, prompts: list[list[int]], batch: int, max_tokens: int, wa
     else:
         tokens = [list(o.outputs[0].token_ids) for o in llm.generate(requests, params, use_tqdm=False)]
     wall = time.perf_counter() - start
+    spent = llm.engine.step_times.since(times0)  # where a step's time goes: engine phases, ms per step
     row = {"output_tokens": sum(map(len, tokens)), "wall_s": wall, "tok_s": sum(map(len, tokens)) / wall,
+           "steps": spent.steps, "step_ms": {p: round(v, 4) for p, v in spent.per_step_ms().items()},
            "tokens": tokens}
     stats = llm.engine.stats().spec_decode
     if stats is not None:
@@ -154,10 +158,16 @@ def main(argv=None) -> None:
     draft = args.draft or default_head_dir(model_path)
     options = {"off": {}, "ngram": {"speculative_method": "ngram", "num_speculative_tokens": args.k,
                          "ngram_min": args.ngram_min, "ngram_max": args.ngram_max},
-               "mtp": {"speculative_method": "mtp", "num_speculative_tokens": args.k, "draft": draft}}
+               "mtp": {"speculative_method": "mtp", "num_speculative_tokens": args.k, "draft": draft},
+               # the n-gram lookup first, MTP where it finds no match of 2+ tokens
+               "mtp+ngram": {"speculative_method": "mtp", "num_speculative_tokens": args.k, "draft": draft,
+                             "ngram_lookup": True, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max}}
+    unknown = set(args.modes) - set(options)
+    if unknown:
+        sys.exit(f"unknown modes {sorted(unknown)}: choose from {sorted(options)}")
     results: list[dict[str, Any]] = []
     reference: dict[tuple[str, int], list] = {}
-    modes = [m for m in args.modes if m != "mtp" or os.path.isdir(draft)]
+    modes = [m for m in args.modes if not m.startswith("mtp") or os.path.isdir(draft)]
     if len(modes) < len(args.modes):
         print(f"mtp: skipped (no head at {draft}; run deepinfer train-mtp)")
     for batch in args.batch_sizes:  # engines per batch size (max_num_seqs = B slots), the modes taking turns

@@ -39,6 +39,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                     help="draft tokens with n-gram prompt lookup or the model's MTP layers; default: off")
     sp.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step (default 3)")
     sp.add_argument("--speculative-draft", default=None, metavar="PATH", help="a trained MTP head (deepinfer train-mtp)")
+    sp.add_argument("--speculative-ngram-lookup", action="store_true", default=None,
+                    help="mtp: an n-gram lookup first; where the last 2+ tokens occurred before, its drafts that step")
     ep = parser.add_argument_group("expert parallelism (MoE models)")
     ep.add_argument("--expert-parallel-size", type=int, default=None, help="rank processes holding the experts")
     ep.add_argument("--num-redundant-experts", type=int, default=None, help="extra expert slots for hot experts")
@@ -84,6 +86,7 @@ def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         draft=args.speculative_draft,
+        ngram_lookup=args.speculative_ngram_lookup,
         expert_parallel_size=args.expert_parallel_size,
         num_redundant_experts=args.num_redundant_experts,
         eplb_interval=args.eplb_interval,

@@ -234,6 +234,9 @@ class SpecConfig:
     ngram_min: int = 1  # shortest suffix an n-gram draft matches
     ngram_max: int = 4  # longest
     draft: str | None = None  # mtp: a trained MTP head (deepinfer train-mtp) for a model whose checkpoint has none
+    # mtp: an n-gram lookup first; a sequence whose last 2+ tokens occurred before takes the lookup's drafts that
+    # step, MTP drafts the others (Arctic Inference's suffix lookup in front of its drafter)
+    ngram_lookup: bool = False
 
     def __post_init__(self) -> None:
         if self.speculative_method is not None and self.speculative_method not in SPEC_METHODS:
@@ -244,6 +247,8 @@ class SpecConfig:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if self.draft is not None and self.speculative_method != "mtp":
             raise ValueError("draft (an MTP head) needs speculative_method='mtp'")
+        if self.ngram_lookup and self.speculative_method != "mtp":
+            raise ValueError("ngram_lookup (an n-gram lookup in front of MTP) needs speculative_method='mtp'")
 
     @property
     def enabled(self) -> bool:

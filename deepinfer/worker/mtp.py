@@ -194,7 +194,9 @@ def _staged_drafts(model, mtp, inputs: StepInputs, hidden: torch.Tensor, emitted
             kv_next += tokens
     if not full and not kv_only:
         return {}
-    index = torch.tensor(full + kv_only, dtype=torch.int64)
+    order = full + kv_only
+    # rows in place (one request, or every row in step order): views instead of gathers
+    index = slice(0, len(order)) if order == list(range(len(order))) else torch.tensor(order, dtype=torch.int64)
     positions = inputs.positions[index]
     tokens = torch.tensor(full_next + kv_next, dtype=torch.int64, device=device)
     block_tables = md.decode_block_tables[index]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -14,90 +13,20 @@ from deepinfer.core.kv_layout import KVCacheSpec, KVLayout, layout_from_specs
 from deepinfer.core.plan import StepPlan, StepResult
 from deepinfer.layers.context import ForwardContext, forward_context
 from deepinfer.sample.logprobs import compute_prompt_logprobs
-from deepinfer.sample.penalties import PenaltyState
 from deepinfer.sample.prob_order import ProbOrderOps
-from deepinfer.sample.sampler import Sampler, SamplingRow, has_penalties, plain_greedy_params
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sample.sampler import Sampler
 from deepinfer.worker.decode_batch import DecodeBatch
 from deepinfer.worker.inputs import RequestRows, StepInputs, build_inputs, prompt_runs
 from deepinfer.worker.mtp import mtp_drafts
 from deepinfer.worker.multi_step import forward_next
+from deepinfer.worker.request_state import WorkerRequest, Tokens
 from deepinfer.sample.rejection import verify_greedy
-from deepinfer.worker.speculative import (DraftState, check_shadow, depth_costs, draft_rows, plan_draft_lengths,
-                                          propose, record_acceptance, verify)
+from deepinfer.worker.speculative import (DraftState, check_shadow, depth_costs, draft_rows, first_draft_bar,
+                                          lookup_drafts, ngram_drafts, plan_draft_lengths, record_acceptance, verify)
 
 if TYPE_CHECKING:
     from deepinfer.disagg.transfer import HandoffPuller
     from deepinfer.worker.kv_transfer import KVBlockTransfer
-
-
-class Tokens:
-    """A request's prompt and generated tokens, kept apart: the sampler reads each without a per-step copy, a step's
-    inputs slice only the tokens it computes."""
-
-    __slots__ = ("prompt", "output")
-
-    def __init__(self, token_ids: list[int], num_prompt_tokens: int) -> None:
-        self.prompt, self.output = list(token_ids[:num_prompt_tokens]), list(token_ids[num_prompt_tokens:])
-
-    def __len__(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    def __getitem__(self, index: slice) -> list[int]:
-        start, stop, _ = index.indices(len(self))
-        n = len(self.prompt)
-        if stop <= n:
-            return self.prompt[start:stop]
-        if start >= n:
-            return self.output[start - n : stop - n]
-        return self.prompt[start:] + self.output[: stop - n]
-
-    def extend(self, tokens: list[int]) -> None:
-        self.output.extend(tokens)
-
-    def as_list(self) -> list[int]:
-        return self.prompt + self.output
-
-
-@dataclass
-class _RequestState:
-    token_ids: Tokens
-    block_ids: list[np.ndarray]  # per layer group, int64; replaced (not changed in place) when blocks are added
-    params: SamplingParams
-    seed: int
-    eos_token_ids: frozenset[int]
-    drafting: DraftState = field(default_factory=DraftState)
-    penalties: PenaltyState | None = None  # requests with penalties: their tokens as the sampler reads them
-    plain_greedy: bool = field(init=False, default=False)  # greedy, no logprobs, no penalties
-
-    def __post_init__(self) -> None:
-        if has_penalties(self.params):
-            self.penalties = PenaltyState(self.token_ids.prompt, self.token_ids.output)
-        self.plain_greedy = plain_greedy_params(self.params)
-
-    @property
-    def argmax_only(self) -> bool:
-        """A row the sampler answers with the argmax alone (once min_tokens no longer holds back a stop token)."""
-        return self.plain_greedy and len(self.token_ids.output) >= self.params.min_tokens
-
-    def stops(self, token: int) -> bool:
-        """Whether `token`, the last output token, ends the request (the scheduler decides; this only tells a
-        multi-step run that the row has no use for more steps)."""
-        return self.params.token_stop(token, self.eos_token_ids, len(self.token_ids.output)) is not None
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.token_ids.prompt)
-
-    def extend(self, tokens: list[int]) -> None:
-        self.token_ids.extend(tokens)
-        if self.penalties is not None:
-            self.penalties.extend(tokens)
-
-    def sampling_row(self, mask: torch.Tensor | None) -> SamplingRow:
-        tokens = self.token_ids
-        return SamplingRow(self.params, self.seed, len(tokens.output), tokens.prompt, tokens.output,
-                           self.eos_token_ids, mask, self.penalties)
 
 
 def kv_bytes_per_block(specs: list[KVCacheSpec], block_size: int, dtype: torch.dtype,
@@ -161,7 +90,7 @@ class ModelRunner:
         self.kv_transfer: KVBlockTransfer | None = None  # set by the engine when a KV store is configured
         self.async_loads = False  # with a KV store: load blocks in the background (core/kv_loading.py)
         self.kv_puller: HandoffPuller | None = None  # disaggregation, decode role: pulls prompt KV from prefill engines
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, WorkerRequest] = {}
         # the decode batch moved on from step to step (worker/decode_batch.py); None: inputs built anew every step
         self.decode_batch: DecodeBatch | None = DecodeBatch(len(self.layout.groups), block_size, self.device)
         # the model's quantized layers compute prompt rows on AMX tiles (ops/wide_linear.py): the forward context
@@ -174,7 +103,7 @@ class ModelRunner:
         for request_id in plan.preempted_ids:
             self._requests.pop(request_id, None)
         for new in plan.new_requests:
-            self._requests[new.request_id] = _RequestState(
+            self._requests[new.request_id] = WorkerRequest(
                 Tokens(new.token_ids, new.num_prompt_tokens), [np.asarray(t, dtype=np.int64) for t in new.block_ids],
                 new.params, new.seed,
                 new.eos_token_ids,
@@ -300,7 +229,7 @@ class ModelRunner:
                 drafting = self._requests[r.request_id].drafting
                 if r.drafts:
                     tokens = verify_greedy(out.token_ids[at : at + n], r.drafts)
-                    record_acceptance(drafting, len(r.drafts), len(tokens) - 1)
+                    record_acceptance(self._judged(r.request_id), len(r.drafts), len(tokens) - 1)
                     self._emit(r.request_id, tokens, [None] * len(tokens), result)
                 else:
                     if self.spec is not None:
@@ -314,7 +243,7 @@ class ModelRunner:
             state = self._requests[r.request_id]
             tokens, lps = verify(self.sampler, logits[int(offsets[i]) : int(offsets[i + 1])],
                                  state.sampling_row(None), r.drafts, _position_masks(masks.get(r.request_id)))
-            record_acceptance(state.drafting, len(r.drafts), len(tokens) - 1)
+            record_acceptance(self._judged(r.request_id), len(r.drafts), len(tokens) - 1)
             self._emit(r.request_id, tokens, lps, result)
 
     def _multi_step(self, plan: StepPlan, inputs: StepInputs, ctx: ForwardContext, result: StepResult) -> bool:
@@ -364,7 +293,7 @@ class ModelRunner:
             drafting = self._requests[r.request_id].drafting
             if r.drafts:
                 emitted = verify_greedy(ids[at : at + 1 + len(r.drafts)], r.drafts)
-                record_acceptance(drafting, len(r.drafts), len(emitted) - 1)
+                record_acceptance(self._judged(r.request_id), len(r.drafts), len(emitted) - 1)
                 self._emit(r.request_id, emitted, [None] * len(emitted), result)
             else:
                 if self.spec is not None:
@@ -372,14 +301,28 @@ class ModelRunner:
                 self._emit(r.request_id, [ids[at]], [None], result)
             at += 1 + len(r.drafts)
 
+    def _judged(self, request_id: str) -> DraftState:
+        """The estimates a verification of the request's drafts updates: those of whoever proposed them."""
+        state = self._requests[request_id]
+        return state.drafted_by or state.drafting
+
     def _propose(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:
-        """The next step's drafts for every request that sampled (MTP also caches its KV for every computed row)."""
+        """The next step's drafts for every request that sampled (MTP also caches its KV for every computed row);
+        with the n-gram lookup in front of MTP, a request the lookup matches takes its drafts instead."""
         requests = inputs.requests
         sampling = [r for r in requests if r.samples]
         ngram = self.spec.speculative_method == "ngram"
-        planned = plan_draft_lengths(self.spec, self.varlen, [self._requests[r.request_id].drafting for r in sampling],
-                                     shadow_probes=ngram, depth_costs=self._depth_costs)
-        lengths = {r.request_id: n for r, n in zip(sampling, planned)}
+        # the lookup only where a draft can pay its row (below 8 sequences on this CPU's cost model; its scan of each
+        # sequence's tokens is no longer free in a big batch)
+        lookups = {r.request_id: lookup_drafts(self.spec, self._requests[r.request_id].token_ids.as_array())
+                   for r in sampling} if self.spec.ngram_lookup and first_draft_bar(len(sampling)) < 1 else {}
+        states = [self._requests[r.request_id] for r in sampling]
+        for r, state in zip(sampling, states):
+            state.drafted_by = state.lookup if lookups.get(r.request_id) else state.drafting
+        planned = plan_draft_lengths(self.spec, self.varlen, [state.drafted_by for state in states],
+                                     shadow_probes=ngram, depth_costs=self._depth_costs,
+                                     free=[bool(lookups.get(r.request_id)) for r in sampling])
+        lengths = {r.request_id: 0 if lookups.get(r.request_id) else n for r, n in zip(sampling, planned)}
         if self.spec.speculative_method == "mtp":
             drafts = mtp_drafts(self.model, self.model.mtp, inputs, hidden,
                                 {r.request_id: self._requests[r.request_id].token_ids for r in requests},
@@ -387,14 +330,11 @@ class ModelRunner:
                                                           for r in requests},
                                 self.kv_caches, self.layout, self.block_size, self.device,
                                 self.batch_invariant, self.cpu_kernels)
+            drafts.update({r.request_id: lookups[r.request_id][:n] for r, n in zip(sampling, planned)
+                           if n and lookups.get(r.request_id)})
         else:
-            drafts = {rid: propose(self.spec, np.asarray(self._requests[rid].token_ids.as_list(), dtype=np.int64), n)
-                      for rid, n in lengths.items() if n > 0}
-            for rid in lengths:  # shadow probes: guess the next token, check it when it is sampled
-                state = self._requests[rid].drafting
-                if state.probe:
-                    guess = propose(self.spec, np.asarray(self._requests[rid].token_ids.as_list(), dtype=np.int64), 1)
-                    state.probe, state.shadow = False, guess[0] if guess else None
+            drafts = ngram_drafts(self.spec, lengths, {rid: self._requests[rid].token_ids for rid in lengths},
+                                  {rid: self._requests[rid].drafting for rid in lengths})
         result.draft_token_ids.update({rid: d for rid, d in drafts.items() if d})
 
     def _emit(self, request_id: str, tokens: list[int], logprobs: list, result: StepResult) -> None:

@@ -11,6 +11,7 @@ every sequence drafts exactly k (as many as the proposer finds).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 from collections.abc import Sequence
@@ -41,6 +42,10 @@ PROBE_EVERY = 8  # steps between one-token probes of a sequence that stopped dra
 # cost about the same); each deeper depth the layer's decode stack and the head again. Measured at batch 1 (SmolLM2
 # Q4_1 with a train-mtp head, int8, 2 cores): head ~0.15 ms, layer run ~0.5 ms, against a row's ~0.53 ms.
 MTP_DEPTH_COSTS = (0.3, 1.3)  # depth 1; every deeper depth
+# The lookup in front of MTP takes a match of 2+ tokens: replaying greedy SmolLM2 answers (stop 48), its first draft
+# after a 2-4 token match was right 0.58-0.89 of the time against MTP's 0.26-0.65; after a 1-token match 0.12 against
+# MTP's 0.23.
+LOOKUP_MIN = 2
 FIXED_ROWS = 1.1
 WEIGHT_ROWS = 3.4
 LINEAR_SHARE = 0.62
@@ -99,7 +104,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, base: SamplingRow, drafts: Se
 
 
 def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftState],
-                       shadow_probes: bool = False, depth_costs: Sequence[float] = ()) -> list[int]:
+                       shadow_probes: bool = False, depth_costs: Sequence[float] = (),
+                       free: Sequence[bool] = ()) -> list[int]:
     """How many tokens each of a step's sampling sequences drafts next: k each without varlen; with it, the drafts
     that raise the step's expected tokens per unit of time. The j-th draft of a sequence is accepted with the
     product of its conditional rates up to j (a^j where every position has rate a); candidates are taken best
@@ -111,25 +117,27 @@ def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftSta
     and the best kept). A sequence left at none probes with one token now and then, less often in a bigger batch (a
     probe is a row too) and only where a success could lift it over the first draft's bar; with `shadow_probes`
     (proposers that cost nothing, n-gram) the probe is only marked (`state.probe`): the runner guesses the next
-    token and checks it, spending no row."""
+    token and checks it, spending no row. free[i]: sequence i's drafts come from elsewhere this step (the n-gram
+    lookup in front of MTP), so they pay their rows but no depth cost."""
     k = spec.num_speculative_tokens
     if not varlen:
         return [k] * len(states)
     batch = len(states)
+    row_cost = functools.cache(step_cost)  # the plans below ask for the same few row counts many times
     candidates = sorted((-p, j, i) for i, st in enumerate(states) for j, p in enumerate(_chain(st, k), start=1))
     best = (0.0, [0] * batch)
     for deepest in range(0 if depth_costs else k, k + 1):  # with depth costs: each deepest depth, the best plan
         paid = sum(depth_costs[:deepest])
         lengths, rows, expected = [0] * batch, batch, float(batch)
         for neg_p, j, i in candidates:
-            if j > deepest:
+            if j > deepest and not (free and free[i]):
                 continue
-            cost, more = step_cost(rows) + paid, step_cost(rows + 1) + paid
+            cost, more = row_cost(rows) + paid, row_cost(rows + 1) + paid
             if -neg_p <= expected * (more - cost) / cost:
                 break
             lengths[i] += 1
             rows, expected = rows + 1, expected - neg_p
-        score = expected / (step_cost(rows) + paid)
+        score = expected / (row_cost(rows) + paid)
         if score > best[0]:
             best = (score, lengths)
     lengths = best[1]
@@ -142,7 +150,7 @@ def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftSta
             st.idle_steps = 0
             if shadow_probes:
                 st.probe = True
-            elif EMA * st.rate(0) + (1 - EMA) > first_draft_bar(batch, depth_costs):
+            elif EMA * st.rate(0) + (1 - EMA) > first_draft_bar(batch, () if free and free[i] else depth_costs):
                 lengths[i] = 1  # a probe that succeeds could make this sequence's first draft pay
     return lengths
 
@@ -185,6 +193,24 @@ def check_shadow(state: DraftState, token: int) -> None:
     if state.shadow is not None:
         record_acceptance(state, 1, int(token == state.shadow))
         state.shadow = None
+
+
+def lookup_drafts(spec: SpecConfig, tokens: np.ndarray) -> list[int]:
+    """The n-gram lookup in front of MTP (spec.ngram_lookup): up to k drafts where the sequence's last LOOKUP_MIN or
+    more tokens occurred before, else none (MTP drafts then)."""
+    return propose_ngram(tokens, spec.num_speculative_tokens, max(LOOKUP_MIN, spec.ngram_min), spec.ngram_max)
+
+
+def ngram_drafts(spec: SpecConfig, lengths: dict[str, int], tokens: dict, states: dict[str, DraftState]) \
+        -> dict[str, list[int]]:
+    """n-gram drafts of the planned lengths (tokens: each sequence's runner.Tokens); a sequence due a shadow probe
+    gets its guess at the next token, checked when that token is sampled (no row spent)."""
+    drafts = {rid: propose(spec, tokens[rid].as_array(), n) for rid, n in lengths.items() if n > 0}
+    for rid, state in states.items():
+        if state.probe:
+            guess = propose(spec, tokens[rid].as_array(), 1)
+            state.probe, state.shadow = False, guess[0] if guess else None
+    return drafts
 
 
 def propose(spec: SpecConfig, tokens: np.ndarray, length: int) -> list[int]:

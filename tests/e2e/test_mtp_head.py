@@ -192,6 +192,29 @@ def test_mtp_under_overlap_scheduling_keeps_greedy_tokens(tiny_with_head):
         llm.engine.close()
 
 
+def test_the_ngram_lookup_in_front_of_mtp_keeps_greedy_tokens(tiny_with_head, monkeypatch):
+    """speculative ngram_lookup: a sequence whose last tokens occurred before takes the lookup's drafts, the others
+    MTP's; both kinds are verified, and the tokens are those of plain decoding."""
+    from deepinfer.worker import runner
+
+    path, head = tiny_with_head
+    prompts = [[5, 17, 99, 3, 120, 11, 42], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [7], [9, 9, 9, 9]]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = LLM(path, kv_cache_memory=8 << 20, quantization="int8")
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    found, drafted = [], []
+    lookup, mtp = runner.lookup_drafts, runner.mtp_drafts
+    monkeypatch.setattr(runner, "lookup_drafts", lambda *a: found.append(lookup(*a)) or found[-1])
+    monkeypatch.setattr(runner, "mtp_drafts", lambda *a: drafted.append(mtp(*a)) or drafted[-1])
+    spec = LLM(path, kv_cache_memory=8 << 20, speculative_method="mtp", draft=head, quantization="int8",
+               ngram_lookup=True, enable_mtp_varlen=False)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == expected
+    assert sum(bool(d) for d in found) > 0 and sum(bool(d) for step in drafted for d in step.values()) > 0
+    assert spec.engine.stats().spec_decode.num_accepted_tokens > 0 and spec.engine.kv.usage() == 0.0
+    for llm in (plain, spec):
+        llm.engine.close()
+
+
 def test_a_head_for_another_model_is_refused(tiny_with_head):
     _, head = tiny_with_head
     with pytest.raises(ValueError, match="was trained for"):

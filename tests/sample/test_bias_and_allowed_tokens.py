@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.worker.runner import Tokens, _RequestState
+from deepinfer.worker.request_state import WorkerRequest, Tokens
 from tests.sample.test_sampler import row, sampler
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
@@ -51,7 +51,7 @@ def test_bias_comes_before_penalties_and_logprobs_stay_raw():
 def test_a_biased_greedy_request_is_not_an_argmax_row():
     """The worker answers plain greedy rows with the LM head's argmax in the kernel (no logits): a bias must not take
     that path."""
-    state = _RequestState(Tokens([1, 2], 2), [], SamplingParams(temperature=0, logit_bias={5: 1.0}), 0, frozenset())
+    state = WorkerRequest(Tokens([1, 2], 2), [], SamplingParams(temperature=0, logit_bias={5: 1.0}), 0, frozenset())
     assert not state.argmax_only
 
 
@@ -72,7 +72,7 @@ def test_only_allowed_tokens_are_sampled_and_min_tokens_still_holds_back_stops()
     sampled = SamplingParams(temperature=5.0, seq_seed=3, allowed_token_ids=[1, 3, 4], min_tokens=2)
     tokens = sampler(LOGITS.repeat(64, 1), [row(sampled, seed=s, eos=[4]) for s in range(64)]).token_ids
     assert set(tokens) == {1, 3}  # 4 is the EOS, held back before two tokens
-    state = _RequestState(Tokens([1, 2], 2), [], SamplingParams(temperature=0, allowed_token_ids=[5]), 0, frozenset())
+    state = WorkerRequest(Tokens([1, 2], 2), [], SamplingParams(temperature=0, allowed_token_ids=[5]), 0, frozenset())
     assert not state.argmax_only
 
 

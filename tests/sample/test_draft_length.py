@@ -104,3 +104,33 @@ def test_a_proposer_that_pays_per_depth_drafts_shallower_alone_and_shares_the_de
     # two sequences share each depth's cost: depth 2 is weighed for both at once (one draft at a time, it never pays)
     paired = plan_draft_lengths(SPEC, True, [DraftState(acceptance=0.9) for _ in range(2)], depth_costs=costly)
     assert paired == [2, 2]
+
+
+def test_drafts_from_the_lookup_in_front_of_mtp_pay_their_rows_but_no_depth():
+    costly = (0.3, 1.3, 1.3, 1.3, 1.3)
+    alone = [DraftState(acceptance=0.5)]
+    assert plan_draft_lengths(SPEC, True, alone, depth_costs=costly) == [1]
+    # the lookup's drafts: as deep as plain n-gram drafts, whatever MTP's depths cost
+    assert plan_draft_lengths(SPEC, True, alone, depth_costs=costly, free=[True]) == plan([0.5]) == [3]
+    pair = [DraftState(acceptance=0.5), DraftState(acceptance=0.5)]
+    assert plan_draft_lengths(SPEC, True, pair, depth_costs=costly) == [1, 1]
+    assert plan_draft_lengths(SPEC, True, pair, depth_costs=costly, free=[True, True]) == plan([0.5, 0.5])
+    assert plan_draft_lengths(SPEC, True, pair, depth_costs=costly, free=[True, False]) == [2, 1]
+
+
+def test_the_lookup_in_front_of_mtp_takes_matches_of_two_tokens_or_more():
+    import numpy as np
+
+    from deepinfer.worker.speculative import lookup_drafts
+
+    spec = SpecConfig(speculative_method="mtp", num_speculative_tokens=3, ngram_lookup=True)
+    assert lookup_drafts(spec, np.array([4, 5, 6, 7, 8, 4, 5])) == [6, 7, 8]  # "4 5" occurred before
+    assert lookup_drafts(spec, np.array([4, 5, 6, 7, 8, 9, 5])) == []  # "5" alone: MTP drafts instead
+    with pytest.raises(ValueError, match="ngram_lookup .* needs speculative_method='mtp'"):
+        SpecConfig(speculative_method="ngram", ngram_lookup=True)
+    from deepinfer.args import engine_config_from_args
+    from deepinfer.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--speculative-method", "mtp",
+                                      "--speculative-ngram-lookup"])
+    assert engine_config_from_args(args).spec == SpecConfig(speculative_method="mtp", ngram_lookup=True)

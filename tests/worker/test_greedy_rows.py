@@ -6,7 +6,7 @@ import transformers
 
 from deepinfer import SamplingParams
 from deepinfer.llm import LLM
-from deepinfer.worker import runner as runner_module
+from deepinfer.worker.request_state import WorkerRequest
 
 from ..models.hf_reference import save_tiny
 
@@ -44,16 +44,16 @@ def run(llm: LLM, mixed: bool) -> list:
 def test_same_outputs_with_the_argmax_taken_straight_away(tiny, monkeypatch, mixed, spec):
     llm = LLM(tiny, quantization="int8", kv_cache_memory=8 << 20, **spec)
     taken = [0]
-    argmax_only = runner_module._RequestState.argmax_only
+    argmax_only = WorkerRequest.argmax_only
 
     def counted(self):
         answer = argmax_only.fget(self)
         taken[0] += answer
         return answer
 
-    monkeypatch.setattr(runner_module._RequestState, "argmax_only", property(counted))
+    monkeypatch.setattr(WorkerRequest, "argmax_only", property(counted))
     direct = run(llm, mixed)
     assert taken[0] > 0  # plain greedy rows seen (with plain rows only, every step takes the argmax straight away)
-    monkeypatch.setattr(runner_module._RequestState, "argmax_only", property(lambda self: False))
+    monkeypatch.setattr(WorkerRequest, "argmax_only", property(lambda self: False))
     assert run(llm, mixed) == direct
     llm.engine.close()
