@@ -35,10 +35,18 @@ TOPICS = ["the ocean", "volcanoes", "a cat", "bread baking", "the moon", "trains
           "the Roman empire", "electricity", "photosynthesis", "a lighthouse", "coffee", "mountains", "the internet",
           "dinosaurs", "music theory", "gardening", "the solar system", "bicycles", "friendship", "winter",
           "recycling", "a robot", "libraries", "honey", "the desert", "clouds", "a birthday party", "sleep",
-          "airplanes"]
+          "airplanes", "the human heart", "earthquakes", "a small bakery", "penguins", "the printing press",
+          "saving money", "rivers", "an old castle", "vaccines", "the violin", "public transport", "glaciers",
+          "a job interview", "owls", "the Olympic games", "solar panels", "a city park", "tea", "the stock market",
+          "spiders", "a museum", "rain", "video games", "the alphabet", "a farm", "smartphones", "tigers",
+          "a train station", "mathematics", "wind turbines", "a wedding", "the brain"]
 TASKS = ["Explain {} to a child.", "Write a short story about {}.", "List five facts about {}.",
          "Write a poem about {}.", "What are the pros and cons of {}?", "Describe {} in detail.",
-         "Give me three questions to ask about {}.", "Summarize the history of {}."]
+         "Give me three questions to ask about {}.", "Summarize the history of {}.", "How does {} work?",
+         "Tell me something surprising about {}.", "Write a short dialogue about {}.",
+         "What would the world be like without {}?", "Teach me the basics of {}.",
+         "Write a letter to a friend about {}.", "What mistakes do people make about {}?",
+         "Give a step-by-step guide related to {}."]
 CODE = ["Write a Python function that reverses a string.", "Write a Python class for a stack with push and pop.",
         "Write a function that checks whether a number is prime.", "Write a SQL query that counts users by country.",
         "Write a Python function to compute the factorial of n.", "Write a bash script that lists large files.",
