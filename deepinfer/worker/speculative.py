@@ -38,10 +38,12 @@ PROBE_EVERY = 8  # steps between one-token probes of a sequence that stopped dra
 # 2 cores, ~150-token contexts (benchmarks/decode_stack.py: 2.6 / 4.8 / 9.0 / 17.8 / 35 ms at 1 / 8 / 16 / 32 / 64
 # rows, a row ~0.53 ms; a 9th row 0.7 ms; doc/inference_deployment_qa.md).
 # MTP's own cost per draft depth, in the same units: depth 1 is the draft head over the draft vocabulary and the MTP
-# layer's whole run on the drafting rows, in place of the K/V-only upkeep every other row gets (on a few rows those
-# cost about the same); each deeper depth the layer's decode stack and the head again. Measured at batch 1 (SmolLM2
-# Q4_1 with a train-mtp head, int8, 2 cores): head ~0.15 ms, layer run ~0.5 ms, against a row's ~0.53 ms.
-MTP_DEPTH_COSTS = (0.3, 1.3)  # depth 1; every deeper depth
+# layer's whole run on the drafting rows, in place of the K/V-only upkeep every other row gets; each deeper depth the
+# layer's decode stack and the head again. Depth 1 is charged nothing: since each depth is one compiled call with the
+# upkeep (stop 52), its extra is the head's argmax and one row through the layer, ~0.05 ms against a row's ~0.53 ms,
+# and charging it 0.3 (the stop-48 figure) measured 0.93-0.96x on chat with the n-gram lookup in front (fewer MTP
+# drafts: 292 steps for 512 tokens against 269), the same without it (stop 56, doc/inference_deployment_qa.md).
+MTP_DEPTH_COSTS = (0.0, 1.3)  # depth 1; every deeper depth
 # The lookup in front of MTP takes a match of 2+ tokens: replaying greedy SmolLM2 answers (stop 48), its first draft
 # after a 2-4 token match was right 0.58-0.89 of the time against MTP's 0.26-0.65; after a 1-token match 0.12 against
 # MTP's 0.23.
