@@ -97,9 +97,10 @@ def add_train_mtp(sub) -> None:
     train = sub.add_parser("train-mtp", help="train an MTP draft head for a model by self-distillation")
     train.add_argument("--model", default=None, help="default: the bundled SmolLM2")
     train.add_argument("--out", default=None, help="directory to write (default: ~/.cache/deepinfer/mtp/<model>)")
-    train.add_argument("--minutes", type=float, default=25.0, help="wall-clock budget (default %(default)s)")
+    train.add_argument("--minutes", type=float, default=28.0, help="wall-clock budget (default %(default)s)")
     train.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (default: the budget)")
-    train.add_argument("--num-prompts", type=int, default=768, help="self-generated training answers")
+    train.add_argument("--num-prompts", type=int, default=3072,
+                       help="self-generated training answers (default %(default)s)")
     train.add_argument("--depths", type=int, default=2, help="draft depths trained (default %(default)s)")
     train.add_argument("--gen-tokens", type=int, default=192, help="tokens per answer")
     train.add_argument("--num-threads", type=int, default=None)

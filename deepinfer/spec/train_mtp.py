@@ -55,9 +55,9 @@ CODE = ["Write a Python function that reverses a string.", "Write a Python class
 
 @dataclass(frozen=True)
 class TrainConfig:
-    num_prompts: int = 768  # answers generated (the prompt list cycled, each answer with its own seed)
+    num_prompts: int = 3072  # answers generated (the prompt list cycled, each answer with its own seed)
     gen_tokens: int = 192
-    minutes: float = 25.0  # wall-clock budget for the whole run
+    minutes: float = 28.0  # wall-clock budget for the whole run
     max_steps: int | None = None  # optimizer steps; training stops at whichever comes first, this or the budget
     lr: float = 5e-4
     depths: int = 2  # prediction depths trained (the layer applied recursively, as drafting applies it)

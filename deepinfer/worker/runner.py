@@ -21,7 +21,7 @@ from deepinfer.worker.mtp import mtp_drafts
 from deepinfer.worker.multi_step import forward_next
 from deepinfer.worker.request_state import WorkerRequest, Tokens
 from deepinfer.sample.rejection import verify_greedy
-from deepinfer.worker.speculative import (DraftState, check_shadow, depth_costs, draft_rows, first_draft_bar,
+from deepinfer.worker.speculative import (DraftState, check_shadow, depth_costs, draft_rows, looks_up,
                                           lookup_drafts, ngram_drafts, plan_draft_lengths, record_acceptance, verify)
 
 if TYPE_CHECKING:
@@ -312,10 +312,8 @@ class ModelRunner:
         requests = inputs.requests
         sampling = [r for r in requests if r.samples]
         ngram = self.spec.speculative_method == "ngram"
-        # the lookup only where a draft can pay its row (below 8 sequences on this CPU's cost model; its scan of each
-        # sequence's tokens is no longer free in a big batch)
         lookups = {r.request_id: lookup_drafts(self.spec, self._requests[r.request_id].token_ids.as_array())
-                   for r in sampling} if self.spec.ngram_lookup and first_draft_bar(len(sampling)) < 1 else {}
+                   for r in sampling} if looks_up(self.spec, self.varlen, len(sampling)) else {}
         states = [self._requests[r.request_id] for r in sampling]
         for r, state in zip(sampling, states):
             state.drafted_by = state.lookup if lookups.get(r.request_id) else state.drafting

@@ -40,9 +40,10 @@ PROBE_EVERY = 8  # steps between one-token probes of a sequence that stopped dra
 # MTP's own cost per draft depth, in the same units: depth 1 is the draft head over the draft vocabulary and the MTP
 # layer's whole run on the drafting rows, in place of the K/V-only upkeep every other row gets; each deeper depth the
 # layer's decode stack and the head again. Depth 1 is charged nothing: since each depth is one compiled call with the
-# upkeep (stop 52), its extra is the head's argmax and one row through the layer, ~0.05 ms against a row's ~0.53 ms,
-# and charging it 0.3 (the stop-48 figure) measured 0.93-0.96x on chat with the n-gram lookup in front (fewer MTP
-# drafts: 292 steps for 512 tokens against 269), the same without it (stop 56, doc/inference_deployment_qa.md).
+# upkeep (stop 52), its extra is the head's argmax (~0.06 ms) and one row through the whole layer, against a row's
+# ~0.53 ms, and charging it 0.3 (the stop-48 figure) measured 0.93-0.96x on chat with the n-gram lookup in front
+# (fewer MTP drafts: 292 steps for 512 tokens against 269), the same without it (stop 56,
+# doc/inference_deployment_qa.md).
 MTP_DEPTH_COSTS = (0.0, 1.3)  # depth 1; every deeper depth
 # The lookup in front of MTP takes a match of 2+ tokens: replaying greedy SmolLM2 answers (stop 48), its first draft
 # after a 2-4 token match was right 0.58-0.89 of the time against MTP's 0.26-0.65; after a 1-token match 0.12 against
@@ -195,6 +196,14 @@ def check_shadow(state: DraftState, token: int) -> None:
     if state.shadow is not None:
         record_acceptance(state, 1, int(token == state.shadow))
         state.shadow = None
+
+
+def looks_up(spec: SpecConfig, varlen: bool, batch: int) -> bool:
+    """Whether a step of `batch` sampling sequences runs the n-gram lookup in front of MTP: with varlen only where a
+    draft can pay its row (below 8 sequences on this CPU's cost model; the scan of each sequence's tokens is not free
+    in a big batch); with fixed draft lengths (the reproducible mode) at every size, so that a sequence's drafts never
+    depend on its neighbours."""
+    return spec.ngram_lookup and (not varlen or first_draft_bar(batch) < 1)
 
 
 def lookup_drafts(spec: SpecConfig, tokens: np.ndarray) -> list[int]:

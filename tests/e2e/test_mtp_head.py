@@ -215,6 +215,23 @@ def test_the_ngram_lookup_in_front_of_mtp_keeps_greedy_tokens(tiny_with_head, mo
         llm.engine.close()
 
 
+def test_the_lookup_in_front_of_mtp_keeps_seeded_bits_with_fixed_draft_lengths(tiny_with_head):
+    """The reproducible mode (batch invariance, seq_seed, fixed draft lengths) with the lookup in front of MTP: a
+    request alone and in a crowd of 8+ (where the varlen plan skips the lookup, worker/speculative.looks_up) draws
+    the same tokens."""
+    path, head = tiny_with_head
+    llm = LLM(path, kv_cache_memory=16 << 20, quantization="int8", speculative_method="mtp", draft=head,
+              ngram_lookup=True, enable_mtp_varlen=False, batch_invariant=True)
+    prompts = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [5, 17, 99, 3, 120, 11, 42]]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seq_seed=i, max_tokens=20, logprobs=2) for i in range(2)]
+    alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0] for p, sp in zip(prompts, params)]
+    crowd = llm.generate(prompts + [[7], [9, 9, 9, 9], list(range(1, 40))] * 3, params + [GREEDY] * 9, use_tqdm=False)
+    for a, c in zip(alone, crowd[:2]):
+        assert list(a.token_ids) == list(c.outputs[0].token_ids) and a.logprobs == c.outputs[0].logprobs
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+    llm.engine.close()
+
+
 def test_a_head_for_another_model_is_refused(tiny_with_head):
     _, head = tiny_with_head
     with pytest.raises(ValueError, match="was trained for"):

@@ -121,11 +121,14 @@ def test_drafts_from_the_lookup_in_front_of_mtp_pay_their_rows_but_no_depth():
 def test_the_lookup_in_front_of_mtp_takes_matches_of_two_tokens_or_more():
     import numpy as np
 
-    from deepinfer.worker.speculative import lookup_drafts
+    from deepinfer.worker.speculative import lookup_drafts, looks_up
 
     spec = SpecConfig(speculative_method="mtp", num_speculative_tokens=3, ngram_lookup=True)
     assert lookup_drafts(spec, np.array([4, 5, 6, 7, 8, 4, 5])) == [6, 7, 8]  # "4 5" occurred before
     assert lookup_drafts(spec, np.array([4, 5, 6, 7, 8, 9, 5])) == []  # "5" alone: MTP drafts instead
+    # with varlen only where a draft can pay its row; with fixed lengths (reproducible) at every batch size
+    assert looks_up(spec, True, 1) and not looks_up(spec, True, 8) and looks_up(spec, False, 32)
+    assert not looks_up(SpecConfig(speculative_method="mtp"), False, 1)
     with pytest.raises(ValueError, match="ngram_lookup .* needs speculative_method='mtp'"):
         SpecConfig(speculative_method="ngram", ngram_lookup=True)
     from deepinfer.args import engine_config_from_args
