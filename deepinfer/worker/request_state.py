@@ -37,15 +37,15 @@ class Tokens:
     def extend(self, tokens: list[int]) -> None:
         self.output.extend(tokens)
 
-    def as_list(self) -> list[int]:
-        return self.prompt + self.output
-
     def as_array(self) -> np.ndarray:
         return np.asarray(self.prompt + self.output, dtype=np.int64)
 
 
 @dataclass
 class WorkerRequest:
+    """A running request as the worker sees it: tokens, block ids, sampling parameters, and the acceptance estimates
+    of whoever drafts for it (the proposer's and, with the n-gram lookup in front of MTP, the lookup's)."""
+
     token_ids: Tokens
     block_ids: list[np.ndarray]  # per layer group, int64; replaced (not changed in place) when blocks are added
     params: SamplingParams

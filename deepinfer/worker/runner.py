@@ -19,7 +19,7 @@ from deepinfer.worker.decode_batch import DecodeBatch
 from deepinfer.worker.inputs import RequestRows, StepInputs, build_inputs, prompt_runs
 from deepinfer.worker.mtp import mtp_drafts
 from deepinfer.worker.multi_step import forward_next
-from deepinfer.worker.request_state import WorkerRequest, Tokens
+from deepinfer.worker.request_state import Tokens, WorkerRequest
 from deepinfer.sample.rejection import verify_greedy
 from deepinfer.worker.speculative import (DraftState, check_shadow, depth_costs, draft_rows, looks_up,
                                           lookup_drafts, ngram_drafts, plan_draft_lengths, record_acceptance, verify)
