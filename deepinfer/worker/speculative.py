@@ -127,8 +127,14 @@ def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftSta
         return [k] * len(states)
     batch = len(states)
     row_cost = functools.cache(step_cost)  # the plans below ask for the same few row counts many times
-    candidates = sorted((-p, j, i) for i, st in enumerate(states) for j, p in enumerate(_chain(st, k), start=1))
     best = (0.0, [0] * batch)
+    # the best candidate is some sequence's first draft; where it cannot clear the lowest bar any plan below sets
+    # (the one paying every depth), nothing is drafted: skip building and sorting the candidates (a big batch's case)
+    paid_all = sum(depth_costs[:k])
+    cost, more = row_cost(batch) + paid_all, row_cost(batch + 1) + paid_all
+    hopeless = max((st.rate(0) for st in states), default=0.0) <= batch * (more - cost) / cost
+    candidates = [] if hopeless else \
+        sorted((-p, j, i) for i, st in enumerate(states) for j, p in enumerate(_chain(st, k), start=1))
     for deepest in range(0 if depth_costs else k, k + 1):  # with depth costs: each deepest depth, the best plan
         paid = sum(depth_costs[:deepest])
         lengths, rows, expected = [0] * batch, batch, float(batch)
