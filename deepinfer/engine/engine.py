@@ -156,7 +156,8 @@ class Engine:
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         full = self.tokenize(prompt)
-        token_ids = full[-(params.truncate_prompt_tokens or 0):]  # vLLM's left truncation
+        kept = params.truncate_prompt_tokens  # vLLM's left truncation: the prompt's last N tokens
+        token_ids = full[-kept:] if kept else full
         validate_request(token_ids, params, self.vocab_size, self.max_model_len, self.eos_token_ids,
                          self.config.scheduler)
         self.handoff.check(kv_transfer, params)

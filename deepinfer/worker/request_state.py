@@ -73,6 +73,11 @@ class WorkerRequest:
         return self.params.token_stop(token, self.eos_token_ids, len(self.token_ids.output)) is not None
 
     @property
+    def judged(self) -> DraftState:
+        """The estimates a verification of the drafts now proposed updates: those of whoever proposed them."""
+        return self.drafted_by or self.drafting
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.token_ids.prompt)
 

@@ -21,7 +21,7 @@ from deepinfer.worker.mtp import mtp_drafts
 from deepinfer.worker.multi_step import forward_next
 from deepinfer.worker.request_state import Tokens, WorkerRequest
 from deepinfer.sample.rejection import verify_greedy
-from deepinfer.worker.speculative import (DraftState, check_shadow, depth_costs, draft_rows, looks_up,
+from deepinfer.worker.speculative import (check_shadow, depth_costs, draft_rows, looks_up,
                                           lookup_drafts, ngram_drafts, plan_draft_lengths, record_acceptance, verify)
 
 if TYPE_CHECKING:
@@ -229,7 +229,7 @@ class ModelRunner:
                 drafting = self._requests[r.request_id].drafting
                 if r.drafts:
                     tokens = verify_greedy(out.token_ids[at : at + n], r.drafts)
-                    record_acceptance(self._judged(r.request_id), len(r.drafts), len(tokens) - 1)
+                    record_acceptance(self._requests[r.request_id].judged, len(r.drafts), len(tokens) - 1)
                     self._emit(r.request_id, tokens, [None] * len(tokens), result)
                 else:
                     if self.spec is not None:
@@ -243,7 +243,7 @@ class ModelRunner:
             state = self._requests[r.request_id]
             tokens, lps = verify(self.sampler, logits[int(offsets[i]) : int(offsets[i + 1])],
                                  state.sampling_row(None), r.drafts, _position_masks(masks.get(r.request_id)))
-            record_acceptance(self._judged(r.request_id), len(r.drafts), len(tokens) - 1)
+            record_acceptance(self._requests[r.request_id].judged, len(r.drafts), len(tokens) - 1)
             self._emit(r.request_id, tokens, lps, result)
 
     def _multi_step(self, plan: StepPlan, inputs: StepInputs, ctx: ForwardContext, result: StepResult) -> bool:
@@ -293,18 +293,13 @@ class ModelRunner:
             drafting = self._requests[r.request_id].drafting
             if r.drafts:
                 emitted = verify_greedy(ids[at : at + 1 + len(r.drafts)], r.drafts)
-                record_acceptance(self._judged(r.request_id), len(r.drafts), len(emitted) - 1)
+                record_acceptance(self._requests[r.request_id].judged, len(r.drafts), len(emitted) - 1)
                 self._emit(r.request_id, emitted, [None] * len(emitted), result)
             else:
                 if self.spec is not None:
                     check_shadow(drafting, ids[at])
                 self._emit(r.request_id, [ids[at]], [None], result)
             at += 1 + len(r.drafts)
-
-    def _judged(self, request_id: str) -> DraftState:
-        """The estimates a verification of the request's drafts updates: those of whoever proposed them."""
-        state = self._requests[request_id]
-        return state.drafted_by or state.drafting
 
     def _propose(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:
         """The next step's drafts for every request that sampled (MTP also caches its KV for every computed row);
@@ -314,13 +309,13 @@ class ModelRunner:
         ngram = self.spec.speculative_method == "ngram"
         lookups = {r.request_id: lookup_drafts(self.spec, self._requests[r.request_id].token_ids.as_array())
                    for r in sampling} if looks_up(self.spec, self.varlen, len(sampling)) else {}
+        found = [bool(lookups.get(r.request_id)) for r in sampling]  # these draft from the lookup this step
         states = [self._requests[r.request_id] for r in sampling]
-        for r, state in zip(sampling, states):
-            state.drafted_by = state.lookup if lookups.get(r.request_id) else state.drafting
+        for state, looked in zip(states, found):
+            state.drafted_by = state.lookup if looked else state.drafting
         planned = plan_draft_lengths(self.spec, self.varlen, [state.drafted_by for state in states],
-                                     shadow_probes=ngram, depth_costs=self._depth_costs,
-                                     free=[bool(lookups.get(r.request_id)) for r in sampling])
-        lengths = {r.request_id: 0 if lookups.get(r.request_id) else n for r, n in zip(sampling, planned)}
+                                     shadow_probes=ngram, depth_costs=self._depth_costs, free=found)
+        lengths = {r.request_id: 0 if looked else n for r, n, looked in zip(sampling, planned, found)}
         if self.spec.speculative_method == "mtp":
             drafts = mtp_drafts(self.model, self.model.mtp, inputs, hidden,
                                 {r.request_id: self._requests[r.request_id].token_ids for r in requests},
@@ -328,8 +323,8 @@ class ModelRunner:
                                                           for r in requests},
                                 self.kv_caches, self.layout, self.block_size, self.device,
                                 self.batch_invariant, self.cpu_kernels)
-            drafts.update({r.request_id: lookups[r.request_id][:n] for r, n in zip(sampling, planned)
-                           if n and lookups.get(r.request_id)})
+            drafts.update({r.request_id: lookups[r.request_id][:n] for r, n, looked in zip(sampling, planned, found)
+                           if n and looked})
         else:
             drafts = ngram_drafts(self.spec, lengths, {rid: self._requests[rid].token_ids for rid in lengths},
                                   {rid: self._requests[rid].drafting for rid in lengths})

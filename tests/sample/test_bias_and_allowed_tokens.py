@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.worker.request_state import WorkerRequest, Tokens
+from deepinfer.worker.request_state import Tokens, WorkerRequest
 from tests.sample.test_sampler import row, sampler
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
