@@ -9,9 +9,9 @@ rejected drafts never get MTP KV. Only the last such row of a request that draft
 output (it predicts the first draft): it runs the whole layer as a decode row (a decoding request's accepted rows
 with it, one call for all); every other row computes only the K and V the layer would cache (the projection and the
 block's K/V projections, no attention or MLP: about a fifth of the layer's weights), which is all a sequence that
-is not drafting pays per step. Deeper drafts apply the layer
-again to its own output and the previous draft, one row per request at the next position (DeepSeek's recursive use
-of one MTP layer); that speculative KV is rewritten once the position is computed. Drafts are greedy: deterministic
+is not drafting pays per step; in a batch where no draft can pay its row (8+ sequences with varlen), decode rows
+skip even that (`decodes`), and only prompt rows are cached. Deeper drafts apply the layer again to its own output
+and the previous draft, one row per request at the next position (DeepSeek's recursive use of one MTP layer); that speculative KV is rewritten once the position is computed. Drafts are greedy: deterministic
 proposals, verified as one-hot drafts (lossless either way). Each depth runs through the MTP layer's decode stack
 (transforms/fused_ops.py) where the model has one. In a step of decode rows only (every request decoding, the common
 step), each depth is one compiled call from the tokens and hidden states: the stack's input stage computes the
@@ -32,13 +32,19 @@ from deepinfer.worker.inputs import RequestRows, StepInputs, _metadata, table_sl
 def mtp_drafts(model, mtp, inputs: StepInputs, hidden: torch.Tensor, token_ids: dict[str, list[int]],
                emitted: dict[str, list[int]], lengths: dict[str, int], tables: dict[str, list[list[int]]],
                kv_caches, layout: KVLayout, block_size: int, device: torch.device, batch_invariant: bool = False,
-               cpu_kernels=None) -> dict[str, list[int]]:
+               cpu_kernels=None, decodes: bool = True) -> dict[str, list[int]]:
     """inputs: the step's rows; emitted: the tokens each sampling request emitted; lengths: how many drafts each
-    sampling request wants. Returns the drafts."""
+    sampling request wants. Returns the drafts. decodes=False: nothing drafts and only prompt rows get their K/V (a
+    batch where no draft can pay, worker/speculative.drafts_can_pay): a decoding request's MTP cache then has no K/V
+    at these positions, which costs its later drafts acceptance if it drafts again, never correctness."""
     if len(layout.groups) != 1:
         raise ValueError("MTP drafts need a model with one layer group (no sliding-window hybrids)")
     env = (kv_caches, block_size, device, batch_invariant, cpu_kernels)
-    if _staged(mtp, inputs, lengths, cpu_kernels):
+    if not decodes:
+        lengths = {}
+        if all(r.samples and r.num_known == 1 for r in inputs.requests):
+            return {}
+    if decodes and _staged(mtp, inputs, lengths, cpu_kernels):
         drafts = _staged_drafts(model, mtp, inputs, hidden, emitted, lengths, tables, env)
         if drafts is not None:
             return drafts
@@ -47,6 +53,8 @@ def mtp_drafts(model, mtp, inputs: StepInputs, hidden: torch.Tensor, token_ids: 
     heads: list[RequestRows] = []  # a drafting request's rows through the whole layer, as decode rows
     for r in inputs.requests:
         rid = r.request_id
+        if not decodes and r.samples and r.num_known == 1:
+            continue
         count = r.num_known + (len(emitted.get(rid, ())) - 1 if r.samples else 0)
         if not r.samples and r.start + count >= len(token_ids[rid]):
             count -= 1  # a prompt chunk's last row: its next token is not known yet

@@ -21,8 +21,9 @@ from deepinfer.worker.mtp import mtp_drafts
 from deepinfer.worker.multi_step import forward_next
 from deepinfer.worker.request_state import Tokens, WorkerRequest
 from deepinfer.sample.rejection import verify_greedy
-from deepinfer.worker.speculative import (check_shadow, depth_costs, draft_rows, looks_up,
-                                          lookup_drafts, ngram_drafts, plan_draft_lengths, record_acceptance, verify)
+from deepinfer.worker.speculative import (check_shadow, depth_costs, draft_rows, drafts_can_pay, looks_up,
+                                          lookup_drafts, mtp_upkeep, ngram_drafts, plan_draft_lengths,
+                                          record_acceptance, verify)
 
 if TYPE_CHECKING:
     from deepinfer.disagg.transfer import HandoffPuller
@@ -306,6 +307,11 @@ class ModelRunner:
         with the n-gram lookup in front of MTP, a request the lookup matches takes its drafts instead."""
         requests = inputs.requests
         sampling = [r for r in requests if r.samples]
+        mtp = self.spec.speculative_method == "mtp"
+        if not drafts_can_pay(self.varlen, len(sampling)):  # a batch too big for any draft to pay its row
+            if mtp:  # prompt rows still get MTP's K/V (later drafts see the prompt); decode rows go without
+                self._mtp_drafts(inputs, hidden, result, {}, decodes=False)
+            return
         ngram = self.spec.speculative_method == "ngram"
         lookups = {r.request_id: lookup_drafts(self.spec, self._requests[r.request_id].token_ids.as_array())
                    for r in sampling} if looks_up(self.spec, self.varlen, len(sampling)) else {}
@@ -316,19 +322,24 @@ class ModelRunner:
         planned = plan_draft_lengths(self.spec, self.varlen, [state.drafted_by for state in states],
                                      shadow_probes=ngram, depth_costs=self._depth_costs, free=found)
         lengths = {r.request_id: 0 if looked else n for r, n, looked in zip(sampling, planned, found)}
-        if self.spec.speculative_method == "mtp":
-            drafts = mtp_drafts(self.model, self.model.mtp, inputs, hidden,
-                                {r.request_id: self._requests[r.request_id].token_ids for r in requests},
-                                result.sampled, lengths, {r.request_id: self._requests[r.request_id].block_ids
-                                                          for r in requests},
-                                self.kv_caches, self.layout, self.block_size, self.device,
-                                self.batch_invariant, self.cpu_kernels)
+        if mtp:
+            drafts = self._mtp_drafts(inputs, hidden, result, lengths,
+                                      mtp_upkeep(self.varlen, len(sampling), any(lengths.values())))
             drafts.update({r.request_id: lookups[r.request_id][:n] for r, n, looked in zip(sampling, planned, found)
                            if n and looked})
         else:
             drafts = ngram_drafts(self.spec, lengths, {rid: self._requests[rid].token_ids for rid in lengths},
                                   {rid: self._requests[rid].drafting for rid in lengths})
         result.draft_token_ids.update({rid: d for rid, d in drafts.items() if d})
+
+    def _mtp_drafts(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult, lengths: dict[str, int],
+                    decodes: bool = True) -> dict[str, list[int]]:
+        requests = inputs.requests
+        return mtp_drafts(self.model, self.model.mtp, inputs, hidden,
+                          {r.request_id: self._requests[r.request_id].token_ids for r in requests}, result.sampled,
+                          lengths, {r.request_id: self._requests[r.request_id].block_ids for r in requests},
+                          self.kv_caches, self.layout, self.block_size, self.device, self.batch_invariant,
+                          self.cpu_kernels, decodes)
 
     def _emit(self, request_id: str, tokens: list[int], logprobs: list, result: StepResult) -> None:
         self._requests[request_id].extend(tokens)

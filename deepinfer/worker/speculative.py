@@ -204,12 +204,29 @@ def check_shadow(state: DraftState, token: int) -> None:
         state.shadow = None
 
 
+def drafts_can_pay(varlen: bool, batch: int) -> bool:
+    """Whether a step of `batch` sampling sequences proposes drafts at all: with fixed draft lengths (the reproducible
+    mode) always, every sequence drafting k whatever its neighbours; with varlen only where a draft can pay its row
+    (first_draft_bar < 1: every batch below 8 sequences on this CPU's cost model, and from there on the ones inside
+    a tile of TILE_ROWS). Where even a draft sure to be accepted would cost more than it brings, the plan could only
+    answer none: nothing is planned, looked up or probed, and MTP caches no K/V for decode rows (mtp_upkeep)."""
+    return not varlen or first_draft_bar(batch) < 1
+
+
+def mtp_upkeep(varlen: bool, batch: int, drafting: bool) -> bool:
+    """Whether MTP caches K/V for a step's decode rows (`drafting`: some sequence drafts with MTP this step). Always
+    with fixed draft lengths; with varlen below a tile of sequences (TILE_ROWS), or where some sequence drafts. From a
+    tile on, a draft must be accepted 0.84+ of the time to pay its row (first_draft_bar), so steps where nothing is
+    drafted are the rule, and their upkeep (about a fifth of a layer's weights for every row, plus the Python around
+    it) would be spent for drafts that do not come. A sequence that later drafts, the batch small again, sees no MTP
+    K/V at those positions: acceptance may suffer, correctness cannot (verification is lossless)."""
+    return not varlen or batch < TILE_ROWS or drafting
+
+
 def looks_up(spec: SpecConfig, varlen: bool, batch: int) -> bool:
-    """Whether a step of `batch` sampling sequences runs the n-gram lookup in front of MTP: with varlen only where a
-    draft can pay its row (below 8 sequences on this CPU's cost model; the scan of each sequence's tokens is not free
-    in a big batch); with fixed draft lengths (the reproducible mode) at every size, so that a sequence's drafts never
-    depend on its neighbours."""
-    return spec.ngram_lookup and (not varlen or first_draft_bar(batch) < 1)
+    """Whether a step of `batch` sampling sequences runs the n-gram lookup in front of MTP: wherever drafts are
+    proposed (drafts_can_pay; the scan of each sequence's tokens is not free in a big batch)."""
+    return spec.ngram_lookup and drafts_can_pay(varlen, batch)
 
 
 def lookup_drafts(spec: SpecConfig, tokens: np.ndarray) -> list[int]:

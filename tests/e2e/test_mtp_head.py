@@ -232,6 +232,33 @@ def test_the_lookup_in_front_of_mtp_keeps_seeded_bits_with_fixed_draft_lengths(t
     llm.engine.close()
 
 
+@pytest.mark.parametrize("varlen", [True, False])
+def test_a_batch_too_big_for_any_draft_caches_no_mtp_kv_for_decode_rows(tiny_with_head, varlen):
+    """varlen with 8+ sequences, where no draft can pay its row (worker/speculative.drafts_can_pay): nothing drafts
+    and the MTP layer caches K/V for the prompt rows only. Once the batch is small again drafting resumes; with fixed
+    draft lengths every row is cached. Greedy tokens are those of plain decoding throughout."""
+    path, head = tiny_with_head
+    prompts = [[5 + i, 17, 99, 3, 120, 11, 42, 8, 1 + i, 2] for i in range(10)]  # 10 tokens each
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 9 + \
+        [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]  # the last one goes on alone
+    plain = LLM(path, kv_cache_memory=8 << 20, quantization="int8")
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = LLM(path, kv_cache_memory=8 << 20, quantization="int8", speculative_method="mtp", draft=head,
+               enable_mtp_varlen=varlen)
+    layer, written = spec.engine.executor.model.mtp.layers[0], set()
+    write_kv, staged_rows = layer.write_kv, layer.decode_stack.staged_rows
+    layer.write_kv = lambda positions, *a: written.update(positions.tolist()) or write_kv(positions, *a)
+    layer.decode_stack.staged_rows = lambda *a: written.update(a[3].tolist()) or staged_rows(*a)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == expected
+    # 0-8: prompt rows (9, a drafting prompt's last row, runs the whole layer); 10-14: the ten sequences' decode
+    # rows (the nine stop at 6 tokens); 15 on: the last one alone
+    assert set(range(9)) <= written and max(written) > 15
+    assert bool(set(range(10, 15)) & written) == (not varlen)
+    assert spec.engine.stats().spec_decode.num_draft_tokens > 0
+    for llm in (plain, spec):
+        llm.engine.close()
+
+
 def test_a_head_for_another_model_is_refused(tiny_with_head):
     _, head = tiny_with_head
     with pytest.raises(ValueError, match="was trained for"):

@@ -3,8 +3,9 @@ per unit of step cost (worker/speculative.py: step_cost)."""
 import pytest
 
 from deepinfer.config import SpecConfig
-from deepinfer.worker.speculative import (PROBE_EVERY, DraftState, check_shadow, first_draft_bar,
-                                          plan_draft_lengths, record_acceptance, step_cost)
+from deepinfer.worker.speculative import (PROBE_EVERY, TILE_ROWS, DraftState, check_shadow, drafts_can_pay,
+                                          first_draft_bar, mtp_upkeep, plan_draft_lengths, record_acceptance,
+                                          step_cost)
 
 SPEC = SpecConfig(speculative_method="ngram", num_speculative_tokens=5)
 
@@ -29,6 +30,26 @@ def test_the_bar_rises_with_the_batch():
     assert lengths == sorted(lengths, reverse=True) and lengths[0] == 5 and lengths[-1] == 0
     assert plan([0.95] * 8) == [0] * 8  # 8 rows fill the kernels' tile: a 9th would start another pass
     assert sum(plan([0.95] * 12)) == 4  # 12 sequences: likely drafts fill the second tile, no more
+
+
+def test_where_no_draft_can_pay_the_plan_is_skipped_and_it_would_have_drafted_nothing():
+    """drafts_can_pay is the plan's own bar for a draft sure to be accepted: where it says no, the plan (which the
+    runner then skips) drafts nothing even at acceptance 1, probes included; where it says yes, acceptance 1 drafts."""
+    mtp = SpecConfig(speculative_method="mtp", num_speculative_tokens=3)
+    skipped = []
+    for batch in range(1, 65):
+        sure = [DraftState(acceptance=1.0, idle_steps=10**6) for _ in range(batch)]
+        lengths = plan_draft_lengths(mtp, True, sure, depth_costs=(0.0, 1.3, 1.3), free=[True] * batch)
+        assert (sum(lengths) > 0) == drafts_can_pay(True, batch)
+        skipped += [] if drafts_can_pay(True, batch) else [batch]
+        assert drafts_can_pay(False, batch)  # fixed draft lengths: every sequence drafts k, whatever the batch
+    assert skipped[0] == TILE_ROWS and TILE_ROWS in skipped and 32 in skipped and 64 in skipped
+
+
+def test_mtp_keeps_decode_rows_kv_below_a_tile_or_where_something_drafts():
+    assert mtp_upkeep(True, TILE_ROWS - 1, False) and mtp_upkeep(True, 32, True)
+    assert not mtp_upkeep(True, TILE_ROWS, False) and not mtp_upkeep(True, 32, False)
+    assert mtp_upkeep(False, 32, False)  # fixed draft lengths: every row, every step
 
 
 def test_the_plan_beats_every_uniform_length_and_prefers_the_likelier_sequence():
