@@ -1,7 +1,8 @@
 """`deepinfer train-mtp`: a DeepSeek-style MTP draft head for a model that ships without one, by self-distillation.
 
 1. The model writes its own training text: chat answers to seeded prompts (deepinfer, its default compute), a
-   quarter greedy (what a greedy request then drafts against) and the rest sampled at temperature 0.7.
+   quarter greedy (what a greedy request then drafts against) and the rest sampled at temperature 0.7; generated
+   in chunks until 60% of the time budget is spent (on a slow machine, fewer answers than asked, said in the log).
 2. The same deepinfer model (the compute that will verify the drafts) gives every position p its final normed
    hidden state h_p; its next-token distribution is the LM head applied to h_p.
 3. One MTP layer learns to predict token p + 2 from h_p and token p + 1: row p = W_eh [norm(emb(t_{p+1})) ;
@@ -53,6 +54,10 @@ CODE = ["Write a Python function that reverses a string.", "Write a Python class
         "Write a Python function that merges two sorted lists.", "Write a JavaScript function that debounces another."]
 
 
+CORPUS_CHUNK = 512  # answers generated and scored at a time
+CORPUS_SHARE = 0.6  # of the budget, past which no further chunk is generated (at least one always is)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     num_prompts: int = 3072  # answers generated (the prompt list cycled, each answer with its own seed)
@@ -91,8 +96,10 @@ def prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
     return out
 
 
-def corpus(model: str | None, cfg: TrainConfig) -> tuple[list[Sample], str]:
-    """Generates the answers, then runs the model over each whole sequence for its hidden states."""
+def corpus(model: str | None, cfg: TrainConfig, start: float) -> tuple[list[Sample], str]:
+    """Generates the answers, then runs the model over each whole sequence for its hidden states; in chunks of
+    CORPUS_CHUNK answers (the greedy and sampled ones mixed as in the whole), stopping after the chunk that passes
+    CORPUS_SHARE of the budget so that training gets the rest (a slower machine trains on fewer answers)."""
     from deepinfer import LLM, SamplingParams
 
     llm = LLM(model, num_threads=cfg.threads)
@@ -100,11 +107,30 @@ def corpus(model: str | None, cfg: TrainConfig) -> tuple[list[Sample], str]:
     greedy = cfg.num_prompts // 4
     params = [SamplingParams(temperature=0.0 if i < greedy else 0.7, top_p=0.95, seq_seed=cfg.seed + i,
                              max_tokens=cfg.gen_tokens) for i in range(len(seqs))]
-    outs = llm.generate(seqs, params)
+    order = mixed_order(len(seqs), greedy)
+    made: dict[int, Sample] = {}
+    for at in range(0, len(order), CORPUS_CHUNK):
+        chunk = order[at : at + CORPUS_CHUNK]
+        outs = llm.generate([seqs[i] for i in chunk], [params[i] for i in chunk])
+        scored = teacher(llm.engine.executor.model, [(seqs[i], seqs[i] + list(o.outputs[0].token_ids))
+                                                     for i, o in zip(chunk, outs)])
+        made.update(zip(chunk, scored))
+        spent = time.perf_counter() - start
+        if spent > CORPUS_SHARE * 60 * cfg.minutes and len(made) < len(order):
+            logger.warning("corpus: %d of %d answers in %.0f s, past %d%% of the %g-minute budget: training on "
+                           "those (raise --minutes or lower --num-prompts for all)", len(made), len(order), spent,
+                           round(100 * CORPUS_SHARE), cfg.minutes)
+            break
     path = llm.engine.model_path
-    samples = teacher(llm.engine.executor.model, [(p, p + list(o.outputs[0].token_ids)) for p, o in zip(seqs, outs)])
     del llm
-    return samples, path
+    return [made[i] for i in sorted(made)], path  # in prompt order: the held-out split is the same for a subset
+
+
+def mixed_order(count: int, greedy: int) -> list[int]:
+    """Indices 0..count-1 with the greedy ones (below `greedy`) spread evenly among the sampled ones, so that any
+    leading part holds both in their overall proportion."""
+    sampled = count - greedy
+    return sorted(range(count), key=lambda i: (i / greedy, 0) if i < greedy else ((i - greedy) / sampled, 1))
 
 
 def teacher(model, seqs: list[tuple[list[int], list[int]]]) -> list[Sample]:
@@ -234,7 +260,7 @@ def train(model: str | None, out_dir: str | None, cfg: TrainConfig) -> str:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     start = time.perf_counter()
-    samples, path = corpus(model, cfg)
+    samples, path = corpus(model, cfg, start)
     logger.info("corpus: %d sequences, %d tokens (%.0f s)", len(samples), sum(len(s.ids) for s in samples),
                 time.perf_counter() - start)
     directory, name = os.path.split(path) if path.endswith(".gguf") else (path, None)

@@ -54,6 +54,26 @@ def test_train_mtp_writes_a_head_for_its_model(tiny_with_head):
     assert len(meta["draft_vocab"]) == 64 and meta["draft_vocab"] == sorted(set(meta["draft_vocab"]))
 
 
+def test_the_corpus_stops_at_its_share_of_the_budget_with_greedy_and_sampled_answers_mixed(tiny_with_head, tmp_path,
+                                                                                           monkeypatch, caplog):
+    """A machine too slow for every answer in the budget trains on the chunks made by then (said in the log); each
+    leading part of the order mixes greedy and sampled answers as the whole does."""
+    import deepinfer.spec.train_mtp as train_mtp
+
+    order = train_mtp.mixed_order(3072, 768)
+    assert sorted(order) == list(range(3072))
+    for size in (4, 512, 1024):
+        assert abs(sum(i < 768 for i in order[:size]) - size // 4) <= 1
+    path, _ = tiny_with_head
+    monkeypatch.setattr(train_mtp, "CORPUS_CHUNK", 4)
+    monkeypatch.setattr(train_mtp, "CORPUS_SHARE", 0.0)  # every chunk is past the share: one chunk is made
+    head = train(path, str(tmp_path), TrainConfig(num_prompts=12, gen_tokens=8, minutes=1.5, max_steps=3, threads=1,
+                                                  draft_vocab=64))
+    meta = json.load(open(os.path.join(head, "mtp.json")))
+    assert meta["train"]["sequences"] == 4 and meta["train"]["steps"] == 3
+    assert "corpus: 4 of 12 answers" in caplog.text
+
+
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])  # quantized: the draft head's rows on the int8 kernel
 def test_drafting_with_the_head_keeps_greedy_tokens(tiny_with_head, quantization):
     path, head = tiny_with_head
