@@ -2,7 +2,7 @@
 
 1. The model writes its own training text: chat answers to seeded prompts (deepinfer, its default compute), a
    quarter greedy (what a greedy request then drafts against) and the rest sampled at temperature 0.7; generated
-   in chunks until 60% of the time budget is spent (on a slow machine, fewer answers than asked, said in the log).
+   in chunks while they fit in 60% of the time budget (on a slow machine, fewer answers than asked, said in the log).
 2. The same deepinfer model (the compute that will verify the drafts) gives every position p its final normed
    hidden state h_p; its next-token distribution is the LM head applied to h_p.
 3. One MTP layer learns to predict token p + 2 from h_p and token p + 1: row p = W_eh [norm(emb(t_{p+1})) ;
@@ -55,7 +55,8 @@ CODE = ["Write a Python function that reverses a string.", "Write a Python class
 
 
 CORPUS_CHUNK = 512  # answers generated and scored at a time
-CORPUS_SHARE = 0.6  # of the budget, past which no further chunk is generated (at least one always is)
+CORPUS_SHARE = 0.6  # of the budget: no further chunk starts that would end past it at the last one's pace (the
+# first always runs)
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,9 @@ def prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
 
 def corpus(model: str | None, cfg: TrainConfig, start: float) -> tuple[list[Sample], str]:
     """Generates the answers, then runs the model over each whole sequence for its hidden states; in chunks of
-    CORPUS_CHUNK answers (the greedy and sampled ones mixed as in the whole), stopping after the chunk that passes
-    CORPUS_SHARE of the budget so that training gets the rest (a slower machine trains on fewer answers)."""
+    CORPUS_CHUNK answers (the greedy and sampled ones mixed as in the whole), no further chunk where it would end past
+    CORPUS_SHARE of the budget at the last chunk's pace, so that training gets the rest (a slower machine trains on
+    fewer answers)."""
     from deepinfer import LLM, SamplingParams
 
     llm = LLM(model, num_threads=cfg.threads)
@@ -110,16 +112,17 @@ def corpus(model: str | None, cfg: TrainConfig, start: float) -> tuple[list[Samp
     order = mixed_order(len(seqs), greedy)
     made: dict[int, Sample] = {}
     for at in range(0, len(order), CORPUS_CHUNK):
+        began = time.perf_counter()
         chunk = order[at : at + CORPUS_CHUNK]
         outs = llm.generate([seqs[i] for i in chunk], [params[i] for i in chunk])
         scored = teacher(llm.engine.executor.model, [(seqs[i], seqs[i] + list(o.outputs[0].token_ids))
                                                      for i, o in zip(chunk, outs)])
         made.update(zip(chunk, scored))
-        spent = time.perf_counter() - start
-        if spent > CORPUS_SHARE * 60 * cfg.minutes and len(made) < len(order):
-            logger.warning("corpus: %d of %d answers in %.0f s, past %d%% of the %g-minute budget: training on "
-                           "those (raise --minutes or lower --num-prompts for all)", len(made), len(order), spent,
-                           round(100 * CORPUS_SHARE), cfg.minutes)
+        now = time.perf_counter()
+        if now - start + (now - began) > CORPUS_SHARE * 60 * cfg.minutes and len(made) < len(order):
+            logger.warning("corpus: %d of %d answers in %.0f s; another chunk at this pace would pass %d%% of the "
+                           "%g-minute budget: training on those (raise --minutes or lower --num-prompts for all)",
+                           len(made), len(order), now - start, round(100 * CORPUS_SHARE), cfg.minutes)
             break
     path = llm.engine.model_path
     del llm
