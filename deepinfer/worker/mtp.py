@@ -9,10 +9,11 @@ rejected drafts never get MTP KV. Only the last such row of a request that draft
 output (it predicts the first draft): it runs the whole layer as a decode row (a decoding request's accepted rows
 with it, one call for all); every other row computes only the K and V the layer would cache (the projection and the
 block's K/V projections, no attention or MLP: about a fifth of the layer's weights), which is all a sequence that
-is not drafting pays per step; in a batch where no draft can pay its row (8+ sequences with varlen), decode rows
-skip even that (`decodes`), and only prompt rows are cached. Deeper drafts apply the layer again to its own output
-and the previous draft, one row per request at the next position (DeepSeek's recursive use of one MTP layer); that speculative KV is rewritten once the position is computed. Drafts are greedy: deterministic
-proposals, verified as one-hot drafts (lossless either way). Each depth runs through the MTP layer's decode stack
+is not drafting pays per step; in a step of 8+ sequences where none drafts (varlen), decode rows skip even that
+(`decodes`, worker/speculative.mtp_upkeep) and only prompt rows are cached. Deeper drafts apply the layer again to
+its own output and the previous draft, one row per request at the next position (DeepSeek's recursive use of one MTP
+layer); that speculative KV is rewritten once the position is computed. Drafts are greedy: deterministic proposals,
+verified as one-hot drafts (lossless either way). Each depth runs through the MTP layer's decode stack
 (transforms/fused_ops.py) where the model has one. In a step of decode rows only (every request decoding, the common
 step), each depth is one compiled call from the tokens and hidden states: the stack's input stage computes the
 layer's input, and the rows that only need K and V stop there (`_staged_drafts`); the same bits as the module path's
@@ -34,9 +35,9 @@ def mtp_drafts(model, mtp, inputs: StepInputs, hidden: torch.Tensor, token_ids: 
                kv_caches, layout: KVLayout, block_size: int, device: torch.device, batch_invariant: bool = False,
                cpu_kernels=None, decodes: bool = True) -> dict[str, list[int]]:
     """inputs: the step's rows; emitted: the tokens each sampling request emitted; lengths: how many drafts each
-    sampling request wants. Returns the drafts. decodes=False: nothing drafts and only prompt rows get their K/V (a
-    batch where no draft can pay, worker/speculative.drafts_can_pay): a decoding request's MTP cache then has no K/V
-    at these positions, which costs its later drafts acceptance if it drafts again, never correctness."""
+    sampling request wants. Returns the drafts. decodes=False: nothing drafts and only prompt rows get their K/V
+    (worker/speculative.mtp_upkeep): a decoding request's MTP cache then has no K/V at these positions, which can cost
+    its later drafts acceptance, never correctness."""
     if len(layout.groups) != 1:
         raise ValueError("MTP drafts need a model with one layer group (no sliding-window hybrids)")
     env = (kv_caches, block_size, device, batch_invariant, cpu_kernels)

@@ -303,8 +303,9 @@ class ModelRunner:
             at += 1 + len(r.drafts)
 
     def _propose(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult) -> None:
-        """The next step's drafts for every request that sampled (MTP also caches its KV for every computed row);
-        with the n-gram lookup in front of MTP, a request the lookup matches takes its drafts instead."""
+        """The next step's drafts for every request that sampled (MTP also caches its KV for the computed rows: all
+        of them, except decode rows in a batch of 8+ where nothing drafts, speculative.mtp_upkeep); with the n-gram
+        lookup in front of MTP, a request the lookup matches takes its drafts instead."""
         requests = inputs.requests
         sampling = [r for r in requests if r.samples]
         mtp = self.spec.speculative_method == "mtp"
