@@ -55,8 +55,9 @@ CODE = ["Write a Python function that reverses a string.", "Write a Python class
 
 
 CORPUS_CHUNK = 512  # answers generated and scored at a time
-CORPUS_SHARE = 0.6  # of the budget: no further chunk starts that would end past it at the last one's pace (the
-# first always runs)
+# CORPUS_SHARE: the share of the budget the corpus may take. No further chunk starts that would end past it at the
+# last chunk's pace; the first chunk always runs.
+CORPUS_SHARE = 0.6
 
 
 @dataclass(frozen=True)

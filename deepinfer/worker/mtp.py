@@ -41,10 +41,8 @@ def mtp_drafts(model, mtp, inputs: StepInputs, hidden: torch.Tensor, token_ids: 
     if len(layout.groups) != 1:
         raise ValueError("MTP drafts need a model with one layer group (no sliding-window hybrids)")
     env = (kv_caches, block_size, device, batch_invariant, cpu_kernels)
-    if not decodes:
-        lengths = {}
-        if all(r.samples and r.num_known == 1 for r in inputs.requests):
-            return {}
+    if not decodes and all(_decoding(r) for r in inputs.requests):
+        return {}
     if decodes and _staged(mtp, inputs, lengths, cpu_kernels):
         drafts = _staged_drafts(model, mtp, inputs, hidden, emitted, lengths, tables, env)
         if drafts is not None:
@@ -54,7 +52,7 @@ def mtp_drafts(model, mtp, inputs: StepInputs, hidden: torch.Tensor, token_ids: 
     heads: list[RequestRows] = []  # a drafting request's rows through the whole layer, as decode rows
     for r in inputs.requests:
         rid = r.request_id
-        if not decodes and r.samples and r.num_known == 1:
+        if not decodes and _decoding(r):
             continue
         count = r.num_known + (len(emitted.get(rid, ())) - 1 if r.samples else 0)
         if not r.samples and r.start + count >= len(token_ids[rid]):
@@ -119,6 +117,11 @@ def _write_kv(mtp, embed, inputs: StepInputs, hidden: torch.Tensor, upkeep: list
         mtp.layer(0).write_kv(positions, embed(tokens), hidden[torch.from_numpy(rows).to(device)])
 
 
+def _decoding(r: RequestRows) -> bool:
+    """A request that decodes this step: it samples from one known row (its drafts, if any, follow it)."""
+    return r.samples and r.num_known == 1
+
+
 def _count(r: RequestRows) -> int:
     """A request's decode rows: its known row and the ones after it (here: a decoding request's accepted ones)."""
     return r.num_known + len(r.drafts)
@@ -176,7 +179,7 @@ def _staged(mtp, inputs: StepInputs, lengths: dict[str, int], cpu_kernels) -> bo
     """Whether this step's MTP work goes through the layers' stacks with their input stage, one call per depth: a
     step of decode rows only (every request decoding), where every depth's layer has such a stack."""
     md = inputs.group_metadata[0]
-    if cpu_kernels is None or md.prefills or not all(r.samples and r.num_known == 1 for r in inputs.requests):
+    if cpu_kernels is None or md.prefills or not all(_decoding(r) for r in inputs.requests):
         return False
     depths = max(lengths.values(), default=0)
     return all(getattr(mtp.layer(d).decode_stack, "input_stage", None) is not None for d in range(max(depths, 1)))
