@@ -39,7 +39,7 @@ $(VENV)/.gemma3: $(VENV)/.installed
 	touch $@
 
 test: install system-deps $(VENV)/.gemma3
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 bench: install
 	$(PY) benchmarks/throughput.py
