@@ -23,7 +23,7 @@ from deepinfer.worker.request_state import Tokens, WorkerRequest
 from deepinfer.sample.rejection import verify_greedy
 from deepinfer.worker.speculative import (check_shadow, depth_costs, draft_rows, drafts_can_pay, looks_up,
                                           lookup_drafts, mtp_upkeep, ngram_drafts, plan_draft_lengths,
-                                          record_acceptance, verify)
+                                          record_acceptance, row_costs, verify)
 
 if TYPE_CHECKING:
     from deepinfer.disagg.transfer import HandoffPuller
@@ -64,6 +64,7 @@ class ModelRunner:
         self.spec = spec if spec is not None and spec.enabled else None
         self.varlen = varlen
         self._depth_costs = depth_costs(self.spec) if self.spec is not None else ()  # the proposer's, per draft depth
+        self._row_costs = row_costs(cpu_kernels.isa() if cpu_kernels is not None else None)  # a step's, per row
         self.batch_invariant = batch_invariant
         self.cpu_kernels = cpu_kernels  # compiled attention (ops/cpu_attention.py); None: torch ops
         self.block_size = block_size
@@ -309,19 +310,20 @@ class ModelRunner:
         requests = inputs.requests
         sampling = [r for r in requests if r.samples]
         mtp = self.spec.speculative_method == "mtp"
-        if not drafts_can_pay(self.varlen, len(sampling)):  # a batch too big for any draft to pay its row
+        if not drafts_can_pay(self.varlen, len(sampling), self._row_costs):  # no draft can pay its row here
             if mtp:  # prompt rows still get MTP's K/V (later drafts see the prompt); decode rows go without
                 self._mtp_drafts(inputs, hidden, result, {}, decodes=False)
             return
         ngram = self.spec.speculative_method == "ngram"
         lookups = {r.request_id: lookup_drafts(self.spec, self._requests[r.request_id].token_ids.as_array())
-                   for r in sampling} if looks_up(self.spec, self.varlen, len(sampling)) else {}
+                   for r in sampling} if looks_up(self.spec, self.varlen, len(sampling), self._row_costs) else {}
         found = [bool(lookups.get(r.request_id)) for r in sampling]  # these draft from the lookup this step
         states = [self._requests[r.request_id] for r in sampling]
         for state, looked in zip(states, found):
             state.drafted_by = state.lookup if looked else state.drafting
         planned = plan_draft_lengths(self.spec, self.varlen, [state.drafted_by for state in states],
-                                     shadow_probes=ngram, depth_costs=self._depth_costs, free=found)
+                                     shadow_probes=ngram, depth_costs=self._depth_costs, free=found,
+                                     costs=self._row_costs)
         lengths = {r.request_id: 0 if looked else n for r, n, looked in zip(sampling, planned, found)}
         if mtp:
             drafts = self._mtp_drafts(inputs, hidden, result, lengths,

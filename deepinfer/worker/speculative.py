@@ -30,13 +30,20 @@ from deepinfer.spec.ngram import propose_ngram
 EMA = 0.7  # weight of the past in a sequence's acceptance estimate
 RELAX = 0.05  # per step, how far a position not drafted drifts back to the prior
 PROBE_EVERY = 8  # steps between one-token probes of a sequence that stopped drafting, alone (more in a batch)
-# A decode step of R rows costs FIXED_ROWS + max(WEIGHT_ROWS, LINEAR_SHARE * R) + (1 - LINEAR_SHARE) * R
-# + PASS_ROWS * (ceil(R / TILE_ROWS) - 1), in units of one row's compute: the layers' weights stream in WEIGHT_ROWS
-# rows' time however few rows use them (a small batch is memory-bound, its extra rows nearly free), the quantized
-# linear layers are LINEAR_SHARE of a row's compute (attention, LM head and sampling the rest), and each further
-# tile of TILE_ROWS rows (the AVX-512 kernel's) is one more pass over every weight block. Fit on SmolLM2 Q4_1,
-# 2 cores, ~150-token contexts (benchmarks/decode_stack.py: 2.6 / 4.8 / 9.0 / 17.8 / 35 ms at 1 / 8 / 16 / 32 / 64
-# rows, a row ~0.53 ms; a 9th row 0.7 ms; doc/inference_deployment_qa.md).
+# A decode step of R rows costs fixed + max(weight_rows, linear_share * R) + (1 - linear_share) * R
+# + pass_rows * (ceil(R / tile_rows) - 1), in units of one row's compute (RowCosts): the layers' weights stream in
+# weight_rows rows' time however few rows use them (a small batch is memory-bound, its extra rows nearly free), the
+# quantized linear layers are linear_share of a row's compute (attention, LM head and sampling the rest), and each
+# further tile of tile_rows rows is one more pass over every weight block. Fit per instruction set of the compiled
+# kernels on SmolLM2 Q4_1, 2 cores, ~150-token contexts (benchmarks/decode_stack.py; doc/inference_deployment_qa.md):
+# - AVX-512 VNNI (the Zen 4 machine): 2.6 / 4.8 / 9.0 / 17.8 / 35 ms at 1 / 8 / 16 / 32 / 64 rows, a row ~0.53 ms,
+#   a 9th row 0.7 ms. Extra rows are nearly free up to 3-4: one more row costs ~8% of a batch-1 step.
+# - AVX2 without VNNI (the Zen 3 machine, stop 58): 4.4 / 5.6 / 7.4 / 9.0 / 11.1 / 16.6 / 17.2 / 28.5 / 30.4 / 54.6 /
+#   110 ms at 1 / 2 / 3 / 4 / 5 / 8 / 9 / 16 / 17 / 32 / 64 rows: a row ~1.67 ms, all compute (maddubs instead of
+#   VNNI's dpbusd, 8 lanes instead of 16), no tile steps; a second row costs ~28% of a batch-1 step (fit: 2.2% rms).
+# - Not fit: AVX2 with AVX-VNNI and the portable build take AVX2's (compute-bound rows; with VNNI it overstates a
+#   row, so drafts there are planned conservatively); no compiled kernels (torch's float32 matmuls, CUDA) AVX-512's
+#   (memory-bound rows).
 # MTP's own cost per draft depth, in the same units: depth 1 is the draft head over the draft vocabulary and the MTP
 # layer's whole run on the drafting rows, in place of the K/V-only upkeep every other row gets; each deeper depth the
 # layer's decode stack and the head again. Depth 1 is charged nothing: since each depth is one compiled call with the
@@ -49,17 +56,37 @@ MTP_DEPTH_COSTS = (0.0, 1.3)  # depth 1; every deeper depth
 # after a 2-4 token match was right 0.58-0.89 of the time against MTP's 0.26-0.65; after a 1-token match 0.12 against
 # MTP's 0.23.
 LOOKUP_MIN = 2
-FIXED_ROWS = 1.1
-WEIGHT_ROWS = 3.4
-LINEAR_SHARE = 0.62
-PASS_ROWS = 0.6
-TILE_ROWS = 8
 
 
-def step_cost(rows: int) -> float:
+@dataclass(frozen=True)
+class RowCosts:
+    """The decode step's cost model (above) for one instruction set."""
+
+    fixed: float = 1.1
+    weight_rows: float = 3.4
+    linear_share: float = 0.62
+    pass_rows: float = 0.6
+    tile_rows: int = 8
+
+    def step(self, rows: int) -> float:
+        passes = -(-rows // self.tile_rows)
+        return self.fixed + max(self.weight_rows, self.linear_share * rows) + (1 - self.linear_share) * rows \
+            + self.pass_rows * (passes - 1)
+
+
+AVX512_COSTS = RowCosts()
+AVX2_COSTS = RowCosts(fixed=1.4, weight_rows=0.9, linear_share=0.64, pass_rows=0.0, tile_rows=4)
+TILE_ROWS = AVX512_COSTS.tile_rows  # MTP's upkeep rule (mtp_upkeep) keeps AVX-512's tile
+
+
+def row_costs(isa: str | None) -> RowCosts:
+    """The cost model for the compiled kernels' instruction set (cpu_ops `isa()`; None: no compiled kernels)."""
+    return AVX2_COSTS if isa in ("avx2", "avx2-vnni", "generic") else AVX512_COSTS
+
+
+def step_cost(rows: int, costs: RowCosts = AVX512_COSTS) -> float:
     """A decode step of `rows` rows in units of one row's compute."""
-    passes = -(-rows // TILE_ROWS)
-    return FIXED_ROWS + max(WEIGHT_ROWS, LINEAR_SHARE * rows) + (1 - LINEAR_SHARE) * rows + PASS_ROWS * (passes - 1)
+    return costs.step(rows)
 
 
 @dataclass
@@ -108,13 +135,14 @@ def verify(sampler: Sampler, logits: torch.Tensor, base: SamplingRow, drafts: Se
 
 def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftState],
                        shadow_probes: bool = False, depth_costs: Sequence[float] = (),
-                       free: Sequence[bool] = ()) -> list[int]:
+                       free: Sequence[bool] = (), costs: RowCosts = AVX512_COSTS) -> list[int]:
     """How many tokens each of a step's sampling sequences drafts next: k each without varlen; with it, the drafts
     that raise the step's expected tokens per unit of time. The j-th draft of a sequence is accepted with the
     product of its conditional rates up to j (a^j where every position has rate a); candidates are taken best
     first while that beats the step's current tokens per unit of cost, E * (cost' - cost) / cost with E the
-    expected tokens. cost = step_cost(R) for R rows (the bar is ~0.08 alone while the rows are memory-bound, ~0.88
-    inside a tile of 8-16 sequences, above 1 where a draft would start a new tile, ~0.97 at 32), plus
+    expected tokens. cost = step_cost(R) for R rows on `costs`, the instruction set's model (AVX-512's: the bar is
+    ~0.08 alone while the rows are memory-bound, ~0.88 inside a tile of 8-16 sequences, above 1 where a draft would
+    start a new tile, ~0.97 at 32; AVX2's: ~0.28 alone, b / (b + 1.4) at b sequences), plus
     depth_costs[j - 1] once for each draft depth j any sequence reaches (a proposer that runs once per depth, MTP:
     MTP_DEPTH_COSTS; every sequence drafting at a depth shares its cost, so the plan is made for each deepest depth
     and the best kept). A sequence left at none probes with one token now and then, less often in a bigger batch (a
@@ -126,7 +154,7 @@ def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftSta
     if not varlen:
         return [k] * len(states)
     batch = len(states)
-    row_cost = functools.cache(step_cost)  # the plans below ask for the same few row counts many times
+    row_cost = functools.cache(costs.step)  # the plans below ask for the same few row counts many times
     best = (0.0, [0] * batch)
     # the best candidate is some sequence's first draft; where it cannot clear the lowest bar any plan below sets
     # (the one paying every depth), nothing is drafted: skip building and sorting the candidates (a big batch's case)
@@ -159,16 +187,17 @@ def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftSta
             st.idle_steps = 0
             if shadow_probes:
                 st.probe = True
-            elif EMA * st.rate(0) + (1 - EMA) > first_draft_bar(batch, () if free and free[i] else depth_costs):
+            elif EMA * st.rate(0) + (1 - EMA) > first_draft_bar(batch, () if free and free[i] else depth_costs,
+                                                                      costs):
                 lengths[i] = 1  # a probe that succeeds could make this sequence's first draft pay
     return lengths
 
 
-def first_draft_bar(batch: int, depth_costs: Sequence[float] = ()) -> float:
+def first_draft_bar(batch: int, depth_costs: Sequence[float] = (), costs: RowCosts = AVX512_COSTS) -> float:
     """The acceptance one sequence's single draft needs to raise tokens per unit of cost in a step of `batch`
     sequences, paying its row and the proposer's first depth: above 1 from a batch of 8 on (the 9th row starts a
     tile), where probing with a real row is pure cost."""
-    return batch * (step_cost(batch + 1) + (depth_costs[0] if depth_costs else 0.0)) / step_cost(batch) - batch
+    return batch * (costs.step(batch + 1) + (depth_costs[0] if depth_costs else 0.0)) / costs.step(batch) - batch
 
 
 def _chain(state: DraftState, k: int) -> list[float]:
@@ -204,13 +233,13 @@ def check_shadow(state: DraftState, token: int) -> None:
         state.shadow = None
 
 
-def drafts_can_pay(varlen: bool, batch: int) -> bool:
+def drafts_can_pay(varlen: bool, batch: int, costs: RowCosts = AVX512_COSTS) -> bool:
     """Whether a step of `batch` sampling sequences proposes drafts at all: with fixed draft lengths (the reproducible
     mode) always, every sequence drafting k whatever its neighbours; with varlen only where a draft can pay its row
-    (first_draft_bar < 1: every batch below 8 sequences on this CPU's cost model, and from there on the ones inside
-    a tile of TILE_ROWS). Where even a draft sure to be accepted would cost more than it brings, the plan could only
+    (first_draft_bar < 1: on AVX-512's cost model every batch below 8 sequences, and from there on the ones inside
+    a tile of TILE_ROWS; on AVX2's, without tile steps, every batch). Where even a draft sure to be accepted would cost more than it brings, the plan could only
     answer none: nothing is planned, looked up or probed, and MTP caches no K/V for decode rows (mtp_upkeep)."""
-    return not varlen or first_draft_bar(batch) < 1
+    return not varlen or first_draft_bar(batch, (), costs) < 1
 
 
 def mtp_upkeep(varlen: bool, batch: int, drafting: bool) -> bool:
@@ -223,10 +252,10 @@ def mtp_upkeep(varlen: bool, batch: int, drafting: bool) -> bool:
     return not varlen or batch < TILE_ROWS or drafting
 
 
-def looks_up(spec: SpecConfig, varlen: bool, batch: int) -> bool:
+def looks_up(spec: SpecConfig, varlen: bool, batch: int, costs: RowCosts = AVX512_COSTS) -> bool:
     """Whether a step of `batch` sampling sequences runs the n-gram lookup in front of MTP: wherever drafts are
     proposed (drafts_can_pay; the scan of each sequence's tokens is not free in a big batch)."""
-    return spec.ngram_lookup and drafts_can_pay(varlen, batch)
+    return spec.ngram_lookup and drafts_can_pay(varlen, batch, costs)
 
 
 def lookup_drafts(spec: SpecConfig, tokens: np.ndarray) -> list[int]:

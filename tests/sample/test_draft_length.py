@@ -3,9 +3,9 @@ per unit of step cost (worker/speculative.py: step_cost)."""
 import pytest
 
 from deepinfer.config import SpecConfig
-from deepinfer.worker.speculative import (PROBE_EVERY, TILE_ROWS, DraftState, check_shadow, drafts_can_pay,
-                                          first_draft_bar, mtp_upkeep, plan_draft_lengths, record_acceptance,
-                                          step_cost)
+from deepinfer.worker.speculative import (AVX2_COSTS, AVX512_COSTS, PROBE_EVERY, TILE_ROWS, DraftState,
+                                          check_shadow, drafts_can_pay, first_draft_bar, mtp_upkeep,
+                                          plan_draft_lengths, record_acceptance, row_costs, step_cost)
 
 SPEC = SpecConfig(speculative_method="ngram", num_speculative_tokens=5)
 
@@ -14,15 +14,32 @@ def plan(acceptances, varlen=True):
     return plan_draft_lengths(SPEC, varlen, [DraftState(acceptance=a) for a in acceptances])
 
 
-def expected_tokens_per_cost(acceptances, lengths):
+def expected_tokens_per_cost(acceptances, lengths, costs=AVX512_COSTS):
     tokens = sum(1 + sum(a**j for j in range(1, n + 1)) for a, n in zip(acceptances, lengths))
-    return tokens / step_cost(len(acceptances) + sum(lengths))
+    return tokens / step_cost(len(acceptances) + sum(lengths), costs)
 
 
 def test_alone_drafts_are_cheap_so_a_fair_acceptance_drafts_deep():
     assert plan([0.5]) == [3]  # alone, rows are memory-bound: a draft costs ~8% of a step
     assert plan([0.7]) == [4]
     assert plan([0.95]) == [5]  # never more than k
+
+
+def test_on_avx2_rows_are_compute_so_drafts_are_planned_shallower():
+    """AVX2's kernels (no VNNI, 8 lanes) make each row cost nearly a full row of compute: the same acceptance drafts
+    fewer tokens than on AVX-512, and a draft below ~0.28 acceptance does not pay even alone."""
+    assert row_costs("avx2") == row_costs("avx2-vnni") == row_costs("generic") == AVX2_COSTS
+    assert row_costs("avx512-vnni") == row_costs(None) == AVX512_COSTS
+    for a in (0.3, 0.5, 0.7, 0.9, 0.97):
+        on_avx2 = plan_draft_lengths(SPEC, True, [DraftState(acceptance=a)], costs=AVX2_COSTS)
+        assert on_avx2[0] <= plan([a])[0]
+        best = expected_tokens_per_cost([a], on_avx2, AVX2_COSTS)  # and the plan is the best length there
+        assert all(best >= expected_tokens_per_cost([a], [n], AVX2_COSTS) - 1e-12 for n in range(6))
+    assert plan_draft_lengths(SPEC, True, [DraftState(acceptance=0.25)], costs=AVX2_COSTS) == [0]
+    assert plan_draft_lengths(SPEC, True, [DraftState(acceptance=0.6)], costs=AVX2_COSTS) == [1]  # AVX-512: 3
+    # no tile steps: a draft sure to be accepted pays at every batch, though the bar nears 1 (b / (b + 1.4))
+    assert all(drafts_can_pay(True, b, AVX2_COSTS) for b in range(1, 65))
+    assert 0.95 < first_draft_bar(32, (), AVX2_COSTS) < 0.97
 
 
 def test_the_bar_rises_with_the_batch():
