@@ -50,46 +50,73 @@ static inline __m128 hsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-// block_step for AVX2: keys 4 at a time, each head's query in registers, 4 partial-product registers summed by one
-// hsum4 into 4 scores (a head's arithmetic does not depend on the group: an item per query head gives the bits of an
-// item per KV head); values 8 dimensions at a time with the G accumulators of that chunk in registers.
+// block_step for AVX2: keys KEYS at a time (4, 2 or 1: the G x KEYS partial-product registers fit the 16), each key
+// chunk widened once for all G query heads (bfloat16 widening per head had cost as much as the FMAs), a head's 8
+// chunk products summed in order and then by one hsum4 per head into scores (a key's tree does not depend on the
+// others', so the bits are those of 4 keys at a time; and a head's arithmetic does not depend on the group: an item
+// per query head gives the bits of an item per KV head); values 8 dimensions at a time with the G accumulators of
+// that chunk in registers.
 template <int DIM, int GROUP, typename KV>
 static inline void block_step_avx2(const float* __restrict__ qh, const KV* __restrict__ kb, const KV* __restrict__ vb,
                                    int64_t count, int64_t stride, int64_t block_size, float scale,
                                    float* __restrict__ scores, float* __restrict__ acc, float* __restrict__ row_max,
                                    float* __restrict__ row_sum) {
   constexpr int C = DIM / 8;
-  for (int g = 0; g < GROUP; ++g) {
-    const float* q = qh + g * DIM;
-    float* sg = scores + g * block_size;
-    for (int64_t i0 = 0; i0 < count; i0 += 4) {
-      const int n = (int)std::min<int64_t>(4, count - i0);
-      __m256 part[4];
-      for (int i = 0; i < 4; ++i) {
-        if (i < n) {
-          const KV* k = kb + (i0 + i) * stride;
-          __m256 p = _mm256_mul_ps(_mm256_loadu_ps(q), load8_kv(k));
-          for (int c = 1; c < C; ++c) p = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load8_kv(k + 8 * c), p);
-          part[i] = p;
-        } else {
-          part[i] = _mm256_setzero_ps();
+  constexpr int KEYS = GROUP <= 3 ? 4 : GROUP <= 6 ? 2 : 1;
+  for (int64_t i0 = 0; i0 < count; i0 += KEYS) {
+    const int n = (int)std::min<int64_t>(KEYS, count - i0);
+    __m256 part[GROUP][KEYS];
+    for (int i = 0; i < KEYS; ++i) {
+      if (i < n) {
+        const KV* k = kb + (i0 + i) * stride;
+        // into L1: this key's value row (read below) and the key row KEYS on (read next; both were asked into L2 a
+        // block ahead)
+        const char* v = reinterpret_cast<const char*>(vb + (i0 + i) * stride);
+        const char* later = reinterpret_cast<const char*>(k + KEYS * stride);
+        for (int line = 0; line < DIM * (int)sizeof(KV); line += 64) {
+          _mm_prefetch(v + line, _MM_HINT_T0);
+          if (i0 + KEYS + i < count) _mm_prefetch(later + line, _MM_HINT_T0);
         }
+        const __m256 k0 = load8_kv(k);
+        for (int g = 0; g < GROUP; ++g) part[g][i] = _mm256_mul_ps(_mm256_loadu_ps(qh + g * DIM), k0);
+        for (int c = 1; c < C; ++c) {
+          const __m256 kc = load8_kv(k + 8 * c);
+          for (int g = 0; g < GROUP; ++g)
+            part[g][i] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * DIM + 8 * c), kc, part[g][i]);
+        }
+      } else {
+        for (int g = 0; g < GROUP; ++g) part[g][i] = _mm256_setzero_ps();
       }
+    }
+    for (int g = 0; g < GROUP; ++g) {
+      __m256 four_keys[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int i = 0; i < KEYS; ++i) four_keys[i] = part[g][i];
       alignas(16) float four[4];
-      _mm_store_ps(four, _mm_mul_ps(hsum4(part[0], part[1], part[2], part[3]), _mm_set1_ps(scale)));
-      for (int i = 0; i < n; ++i) sg[i0 + i] = four[i];
+      _mm_store_ps(four, _mm_mul_ps(hsum4(four_keys[0], four_keys[1], four_keys[2], four_keys[3]), _mm_set1_ps(scale)));
+      for (int i = 0; i < n; ++i) scores[g * block_size + i0 + i] = four[i];
     }
   }
   float rescale[GROUP];  // one rescale per segment
   for (int g = 0; g < GROUP; ++g) rescale[g] = softmax_segment8(scores + g * block_size, count, row_max[g], row_sum[g]);
-  for (int c = 0; c < C; ++c) {
-    __m256 av[GROUP];
-    for (int g = 0; g < GROUP; ++g) av[g] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * DIM + 8 * c), _mm256_set1_ps(rescale[g]));
+  // CC chunks at a time: G x CC accumulators, 8 independent FMA chains (one chain per chunk had each key wait on the
+  // last one's FMA); each (head, chunk) still sums the keys in order, so the bits do not change
+  constexpr int CC = GROUP >= 8 ? 1 : (8 / GROUP < C ? 8 / GROUP : C);
+  static_assert(C % CC == 0, "the head dimension's chunks split evenly");
+  for (int c0 = 0; c0 < C; c0 += CC) {
+    __m256 av[GROUP][CC];
+    for (int g = 0; g < GROUP; ++g)
+      for (int c = 0; c < CC; ++c)
+        av[g][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * DIM + 8 * (c0 + c)), _mm256_set1_ps(rescale[g]));
     for (int64_t i = 0; i < count; ++i) {
-      const __m256 v = load8_kv(vb + i * stride + 8 * c);
-      for (int g = 0; g < GROUP; ++g) av[g] = _mm256_fmadd_ps(_mm256_set1_ps(scores[g * block_size + i]), v, av[g]);
+      __m256 p[GROUP];
+      for (int g = 0; g < GROUP; ++g) p[g] = _mm256_set1_ps(scores[g * block_size + i]);
+      for (int c = 0; c < CC; ++c) {
+        const __m256 v = load8_kv(vb + i * stride + 8 * (c0 + c));
+        for (int g = 0; g < GROUP; ++g) av[g][c] = _mm256_fmadd_ps(p[g], v, av[g][c]);
+      }
     }
-    for (int g = 0; g < GROUP; ++g) _mm256_storeu_ps(acc + g * DIM + 8 * c, av[g]);
+    for (int g = 0; g < GROUP; ++g)
+      for (int c = 0; c < CC; ++c) _mm256_storeu_ps(acc + g * DIM + 8 * (c0 + c), av[g][c]);
   }
 }
 #endif
