@@ -195,8 +195,8 @@ def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftSta
 
 def first_draft_bar(batch: int, depth_costs: Sequence[float] = (), costs: RowCosts = AVX512_COSTS) -> float:
     """The acceptance one sequence's single draft needs to raise tokens per unit of cost in a step of `batch`
-    sequences, paying its row and the proposer's first depth: above 1 from a batch of 8 on (the 9th row starts a
-    tile), where probing with a real row is pure cost."""
+    sequences, paying its row and the proposer's first depth: on AVX-512's model above 1 from a batch of 8 on (the
+    9th row starts a tile), where probing with a real row is pure cost; on AVX2's 0.28 alone, b / (b + 1.4) from 2."""
     return batch * (costs.step(batch + 1) + (depth_costs[0] if depth_costs else 0.0)) / costs.step(batch) - batch
 
 
@@ -237,8 +237,9 @@ def drafts_can_pay(varlen: bool, batch: int, costs: RowCosts = AVX512_COSTS) -> 
     """Whether a step of `batch` sampling sequences proposes drafts at all: with fixed draft lengths (the reproducible
     mode) always, every sequence drafting k whatever its neighbours; with varlen only where a draft can pay its row
     (first_draft_bar < 1: on AVX-512's cost model every batch below 8 sequences, and from there on the ones inside
-    a tile of TILE_ROWS; on AVX2's, without tile steps, every batch). Where even a draft sure to be accepted would cost more than it brings, the plan could only
-    answer none: nothing is planned, looked up or probed, and MTP caches no K/V for decode rows (mtp_upkeep)."""
+    a tile of TILE_ROWS; on AVX2's, without tile steps, every batch). Where even a draft sure to be accepted would
+    cost more than it brings, the plan could only answer none: nothing is planned, looked up or probed, and MTP
+    caches no K/V for decode rows (mtp_upkeep)."""
     return not varlen or first_draft_bar(batch, (), costs) < 1
 
 

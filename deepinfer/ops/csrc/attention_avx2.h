@@ -51,11 +51,11 @@ static inline __m128 hsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
 }
 
 // block_step for AVX2: keys KEYS at a time (4, 2 or 1: the G x KEYS partial-product registers fit the 16), each key
-// chunk widened once for all G query heads (bfloat16 widening per head had cost as much as the FMAs), a head's 8
+// chunk of 8 widened once for all G query heads (bfloat16 widening per head had cost as much as the FMAs), a head's
 // chunk products summed in order and then by one hsum4 per head into scores (a key's tree does not depend on the
 // others', so the bits are those of 4 keys at a time; and a head's arithmetic does not depend on the group: an item
-// per query head gives the bits of an item per KV head); values 8 dimensions at a time with the G accumulators of
-// that chunk in registers.
+// per query head gives the bits of an item per KV head); values CC chunks of 8 dimensions at a time with the G x CC
+// accumulators in registers (below).
 template <int DIM, int GROUP, typename KV>
 static inline void block_step_avx2(const float* __restrict__ qh, const KV* __restrict__ kb, const KV* __restrict__ vb,
                                    int64_t count, int64_t stride, int64_t block_size, float scale,
