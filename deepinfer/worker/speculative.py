@@ -69,6 +69,7 @@ class RowCosts:
     tile_rows: int = 8
 
     def step(self, rows: int) -> float:
+        """A decode step of `rows` rows in units of one row's compute."""
         passes = -(-rows // self.tile_rows)
         return self.fixed + max(self.weight_rows, self.linear_share * rows) + (1 - self.linear_share) * rows \
             + self.pass_rows * (passes - 1)
@@ -82,11 +83,6 @@ TILE_ROWS = AVX512_COSTS.tile_rows  # MTP's upkeep rule (mtp_upkeep) keeps AVX-5
 def row_costs(isa: str | None) -> RowCosts:
     """The cost model for the compiled kernels' instruction set (cpu_ops `isa()`; None: no compiled kernels)."""
     return AVX2_COSTS if isa in ("avx2", "avx2-vnni", "generic") else AVX512_COSTS
-
-
-def step_cost(rows: int, costs: RowCosts = AVX512_COSTS) -> float:
-    """A decode step of `rows` rows in units of one row's compute."""
-    return costs.step(rows)
 
 
 @dataclass
@@ -140,7 +136,7 @@ def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftSta
     that raise the step's expected tokens per unit of time. The j-th draft of a sequence is accepted with the
     product of its conditional rates up to j (a^j where every position has rate a); candidates are taken best
     first while that beats the step's current tokens per unit of cost, E * (cost' - cost) / cost with E the
-    expected tokens. cost = step_cost(R) for R rows on `costs`, the instruction set's model (AVX-512's: the bar is
+    expected tokens. cost = costs.step(R) for R rows on `costs`, the instruction set's model (AVX-512's: the bar is
     ~0.08 alone while the rows are memory-bound, ~0.88 inside a tile of 8-16 sequences, above 1 where a draft would
     start a new tile, ~0.97 at 32; AVX2's: ~0.28 alone, b / (b + 1.4) at b sequences), plus
     depth_costs[j - 1] once for each draft depth j any sequence reaches (a proposer that runs once per depth, MTP:

@@ -1,11 +1,11 @@
 """The varlen draft plan: a step's drafts are taken best first (acceptance per position, chained) while they raise the expected tokens
-per unit of step cost (worker/speculative.py: step_cost)."""
+per unit of step cost (worker/speculative.py: RowCosts.step)."""
 import pytest
 
 from deepinfer.config import SpecConfig
 from deepinfer.worker.speculative import (AVX2_COSTS, AVX512_COSTS, PROBE_EVERY, TILE_ROWS, DraftState,
                                           check_shadow, drafts_can_pay, first_draft_bar, mtp_upkeep,
-                                          plan_draft_lengths, record_acceptance, row_costs, step_cost)
+                                          plan_draft_lengths, record_acceptance, row_costs)
 
 SPEC = SpecConfig(speculative_method="ngram", num_speculative_tokens=5)
 
@@ -16,7 +16,7 @@ def plan(acceptances, varlen=True):
 
 def expected_tokens_per_cost(acceptances, lengths, costs=AVX512_COSTS):
     tokens = sum(1 + sum(a**j for j in range(1, n + 1)) for a, n in zip(acceptances, lengths))
-    return tokens / step_cost(len(acceptances) + sum(lengths), costs)
+    return tokens / costs.step(len(acceptances) + sum(lengths))
 
 
 def test_alone_drafts_are_cheap_so_a_fair_acceptance_drafts_deep():
