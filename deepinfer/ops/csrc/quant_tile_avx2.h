@@ -1,6 +1,7 @@
 // Part of quant_linear.cpp, included there inside its anonymous namespace when the build has AVX2 but not
-// AVX-512 VNNI: tile() for AVX2, with AVX-VNNI's dpbusd or with maddubs. It uses load_i32, group_xsum, group_term
-// and prefetch_ahead from quant_linear.cpp and follows the record layout and arithmetic described at its top.
+// AVX-512 VNNI: tile() for AVX2, with AVX-VNNI's dpbusd or with maddubs, and tile4_wide for 4-bit records without
+// VNNI. They use load_i32, group_xsum, group_term and prefetch_ahead from quant_linear.cpp and follow the record
+// layout and arithmetic described at its top.
 template <typename ST> inline __m256 load8(const ST* p);
 template <> inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
 template <> inline __m256 load8<uint16_t>(const uint16_t* p) {
@@ -41,11 +42,127 @@ inline void piece_quants8(const uint8_t* rec, const uint8_t* fifth, int p, __m25
   }
 }
 
+// Without VNNI, 4- and 8-bit records with stored or folded offsets (Q4_0, Q4_1, Q8_0, int8, int4 and the K formats
+// widened to 8 bits) go through tile_wide: all 16 lanes in one pass over a group, so each broadcast of 4 activations
+// feeds both halves' products (a broadcast from memory takes a vector slot on Zen 3, a plain load does not), 3 rows
+// a tile (4-bit: 6 int16 sums, 4 registers of nibbles, the mask and 2 broadcasts fill the 16 registers; the float
+// sums live in memory between groups). Per lane it runs tile()'s integer sum (in another order: exact) and its
+// float steps in the same order: the same bits. SmolLM2's shapes on one Zen 3 thread against tile() with its 4 rows
+// (benchmarks/quant_linear_rows.py --threads 1 --variants "DI_WIDE4=0;DI_WIDE4_TILE=4;DI_WIDE4_TILE=3;..."):
+// - Q4_1 layers: 1.23-1.37x at 64 and 512 rows, 1.10-1.19x at 8, ~1.1x at 1; 4 rows a tile 1.00-1.13x, 2 rows
+//   1.02-1.6x;
+// - the Q8_0 head: 1.5x / 1.1-1.2x / 1.1-1.2x at 1 / 8 / 64 rows with 3 or 4 rows a tile (2 threads: 1.1-1.2x).
+#ifndef DI_WIDE4
+#define DI_WIDE4 1
+#endif
+#ifndef DI_WIDE4_TILE
+#define DI_WIDE4_TILE 3
+#endif
+#ifndef DI_WIDE8
+#define DI_WIDE8 1
+#endif
+#ifndef DI_WIDE8_TILE
+#define DI_WIDE8_TILE 3
+#endif
+template <int BITS, int G, int OFF>
+constexpr bool wide_tile() {
+#if defined(DI_AVXVNNI)
+  return false;
+#else
+  return (OFF == kStored || OFF == kFolded) && ((DI_WIDE4 && BITS == 4 && G == 32) || (DI_WIDE8 && BITS == 8));
+#endif
+}
+template <int BITS, int G, int OFF>
+constexpr int tile_rows() {
+  if (!wide_tile<BITS, G, OFF>()) return kMaxTile;
+  return BITS == 4 ? DI_WIDE4_TILE : DI_WIDE8_TILE;
+}
+
+#if !defined(DI_AVXVNNI)
+// One group's integer sums, lanes 0-7 and 8-15 of MT rows (xq at the group's first value): 4-bit, four pieces'
+// products summed in int16 before one widening (tile() below has the bounds), each row's sums kept in order.
+template <int MT>
+inline void group_sums4(const uint8_t* rec, const int8_t* xq, int64_t K, __m256i (&isum)[MT][2]) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256i s16[MT][2];
+  for (int m = 0; m < MT; ++m) s16[m][0] = s16[m][1] = _mm256_setzero_si256();
+  for (int p = 0; p < 4; ++p) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p + 32));
+    const __m256i l0 = _mm256_and_si256(w0, low), h0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low);
+    const __m256i l1 = _mm256_and_si256(w1, low), h1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low);
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* x = xq + m * K + 8 * p;
+      const __m256i xl = _mm256_set1_epi32(load_i32(x)), xh = _mm256_set1_epi32(load_i32(x + 4));
+      s16[m][0] = _mm256_add_epi16(s16[m][0], _mm256_maddubs_epi16(l0, xl));
+      s16[m][1] = _mm256_add_epi16(s16[m][1], _mm256_maddubs_epi16(l1, xl));
+      s16[m][0] = _mm256_add_epi16(s16[m][0], _mm256_maddubs_epi16(h0, xh));
+      s16[m][1] = _mm256_add_epi16(s16[m][1], _mm256_maddubs_epi16(h1, xh));
+      asm("" : "+x"(s16[m][0]), "+x"(s16[m][1]));
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < 2; ++h) isum[m][h] = widen16(s16[m][h]);
+}
+
+// 8-bit: the signed products of tile() below (u - 128 times a sign-adjusted x), widened piece by piece.
+template <int MT, int G>
+inline void group_sums8(const uint8_t* rec, const int8_t* xq, int64_t K, __m256i (&isum)[MT][2]) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+  for (int p = 0; p < G / 4; ++p) {
+    const __m256i ws0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p)), flip);
+    const __m256i ws1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p + 32)), flip);
+    const __m256i wa0 = _mm256_abs_epi8(ws0), wa1 = _mm256_abs_epi8(ws1);
+    for (int m = 0; m < MT; ++m) {
+      const __m256i x = _mm256_set1_epi32(load_i32(xq + m * K + 4 * p));
+      isum[m][0] = _mm256_add_epi32(isum[m][0], widen16(_mm256_maddubs_epi16(wa0, _mm256_sign_epi8(x, ws0))));
+      isum[m][1] = _mm256_add_epi32(isum[m][1], widen16(_mm256_maddubs_epi16(wa1, _mm256_sign_epi8(x, ws1))));
+    }
+  }
+}
+
+template <int MT, int BITS, int G, typename ST, int OFF>
+void tile_wide(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
+               const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
+  constexpr int QB = 16 * G * BITS / 8;
+  constexpr bool folded = OFF == kFolded;
+  const int32_t start = (folded ? (int32_t)c : 0) + (BITS == 8 ? 128 : 0);  // as in tile() below
+  __m256 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* rec = q + g * QB;
+    const int64_t k0 = g * G;
+    prefetch_ahead<QB>(rec, s + g * 16, OFF == kStored ? o + g * 16 : nullptr);
+    __m256i isum[MT][2];
+    if constexpr (BITS == 4) group_sums4<MT>(rec, xq + k0, K, isum);
+    else group_sums8<MT, G>(rec, xq + k0, K, isum);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sv = load8(s + g * 16 + 8 * h);
+      const __m256 ov = OFF == kStored ? load8(o + g * 16 + 8 * h) : _mm256_mul_ps(sv, _mm256_set1_ps(c));
+      for (int m = 0; m < MT; ++m) {
+        __m256i is = isum[m][h];
+        if (start != 0) is = _mm256_add_epi32(_mm256_set1_epi32(start * group_xsum<G>(xs, m, K, g)), is);
+        const float d = xd[m * (K / 32) + k0 / 32];
+        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(sv, _mm256_set1_ps(d)), acc[m][h]);
+        if (!folded) acc[m][h] = _mm256_fmadd_ps(ov, _mm256_set1_ps(*group_term<G>(xt, m, K, g)), acc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + m * ldo + 8 * h, acc[m][h]);
+}
+#endif
+
 template <int MT, int BITS, int G, typename ST, int OFF>
 void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
           const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
   constexpr int QB = 16 * G * BITS / 8;
   constexpr bool folded = OFF == kFolded || OFF == kTable;
+#if !defined(DI_AVXVNNI)  // (tile_wide exists only without VNNI)
+  if constexpr (wide_tile<BITS, G, OFF>())
+    return tile_wide<MT, BITS, G, ST, OFF>(q, s, o, c, ng, xq, xd, xs, xt, K, out, ldo);
+#endif
   __m256i table = _mm256_setzero_si256();  // kTable: the 16 values in each 128-bit lane, for vpshufb
   if constexpr (OFF == kTable) table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
   for (int half = 0; half < 2; ++half) {  // lanes 0-7, then 8-15
@@ -109,9 +226,9 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
                 const int8_t* x = xq + m * K + k0 + 8 * p;
                 s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(wl, _mm256_set1_epi32(load_i32(x))));
                 s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(wh, _mm256_set1_epi32(load_i32(x + 4))));
-                // 4-bit: each row's sum in order. Left free, GCC sums a tree of all the group's products and spills
-                // them (SmolLM2 Q4_1 at 64 rows, Zen 3: 1.03-1.07x on 1 thread, 0.95-1.24x on 2; 5- and 8-bit were
-                // slower with it)
+                // 4-bit (with DI_WIDE4=0): each row's sum in order. Left free, GCC sums a tree of all the group's
+                // products and spills them (SmolLM2 Q4_1 at 64 rows, Zen 3: 1.03-1.07x on 1 thread, 0.95-1.24x on
+                // 2; 5- and 8-bit were slower with it)
                 if constexpr (BITS == 4) asm("" : "+x"(s16[m]));
               }
             }
