@@ -38,12 +38,12 @@ PROBE_EVERY = 8  # steps between one-token probes of a sequence that stopped dra
 # kernels on SmolLM2 Q4_1, 2 cores, ~150-token contexts (benchmarks/decode_stack.py; doc/inference_deployment_qa.md):
 # - AVX-512 VNNI (the Zen 4 machine): 2.6 / 4.8 / 9.0 / 17.8 / 35 ms at 1 / 8 / 16 / 32 / 64 rows, a row ~0.53 ms,
 #   a 9th row 0.7 ms. Extra rows are nearly free up to 3-4: one more row costs ~8% of a batch-1 step.
-# - AVX2 without VNNI (the Zen 3 machine, stop 58): 4.4 / 5.6 / 7.4 / 9.0 / 11.1 / 16.6 / 17.2 / 28.5 / 30.4 / 54.6 /
-#   110 ms at 1 / 2 / 3 / 4 / 5 / 8 / 9 / 16 / 17 / 32 / 64 rows: a row ~1.67 ms, all compute (maddubs instead of
-#   VNNI's dpbusd, 8 lanes instead of 16), no tile steps; a second row costs ~28% of a batch-1 step (fit: 2.2% rms).
-# - Not fit: AVX2 with AVX-VNNI and the portable build take AVX2's (compute-bound rows; with VNNI it overstates a
-#   row, so drafts there are planned conservatively); no compiled kernels (torch's float32 matmuls, CUDA) AVX-512's
-#   (memory-bound rows).
+# - AVX2 without VNNI (the Zen 3 machine, stop 59, with the 16-lane tiles): 5.1 / 5.6 / 6.3 / 7.1 / 8.7 / 12.1 /
+#   15.7 / 26.4 / 27.6 / 50.1 / 107 ms at 1 / 2 / 3 / 4 / 5 / 8 / 9 / 16 / 17 / 32 / 64 rows: a row ~1.38 ms, the first
+#   ~3 rows partly memory-bound, a step at each 5th row (fit: 2.7% rms); a second row costs ~13% of a batch-1 step
+#   (stop 58's tiles: 28%).
+# - Not fit: AVX2 with AVX-VNNI and the portable build take AVX2's (with VNNI it overstates a row, so drafts there
+#   are planned conservatively); no compiled kernels (torch's float32 matmuls, CUDA) AVX-512's (memory-bound rows).
 # MTP's own cost per draft depth, in the same units: depth 1 is the draft head over the draft vocabulary and the MTP
 # layer's whole run on the drafting rows, in place of the K/V-only upkeep every other row gets; each deeper depth the
 # layer's decode stack and the head again. Depth 1 is charged nothing: since each depth is one compiled call with the
@@ -76,7 +76,7 @@ class RowCosts:
 
 
 AVX512_COSTS = RowCosts()
-AVX2_COSTS = RowCosts(fixed=1.4, weight_rows=0.9, linear_share=0.64, pass_rows=0.0, tile_rows=4)
+AVX2_COSTS = RowCosts(fixed=0.1, weight_rows=3.1, linear_share=0.54, pass_rows=0.85, tile_rows=4)
 TILE_ROWS = AVX512_COSTS.tile_rows  # MTP's upkeep rule (mtp_upkeep) keeps AVX-512's tile
 
 
@@ -138,7 +138,7 @@ def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftSta
     first while that beats the step's current tokens per unit of cost, E * (cost' - cost) / cost with E the
     expected tokens. cost = costs.step(R) for R rows on `costs`, the instruction set's model (AVX-512's: the bar is
     ~0.08 alone while the rows are memory-bound, ~0.88 inside a tile of 8-16 sequences, above 1 where a draft would
-    start a new tile, ~0.97 at 32; AVX2's: ~0.28 alone, b / (b + 1.4) at b sequences), plus
+    start a new tile, ~0.97 at 32; AVX2's: ~0.13 alone, above 1 at 4, 8, ... sequences), plus
     depth_costs[j - 1] once for each draft depth j any sequence reaches (a proposer that runs once per depth, MTP:
     MTP_DEPTH_COSTS; every sequence drafting at a depth shares its cost, so the plan is made for each deepest depth
     and the best kept). A sequence left at none probes with one token now and then, less often in a bigger batch (a
@@ -192,7 +192,7 @@ def plan_draft_lengths(spec: SpecConfig, varlen: bool, states: Sequence[DraftSta
 def first_draft_bar(batch: int, depth_costs: Sequence[float] = (), costs: RowCosts = AVX512_COSTS) -> float:
     """The acceptance one sequence's single draft needs to raise tokens per unit of cost in a step of `batch`
     sequences, paying its row and the proposer's first depth: on AVX-512's model above 1 from a batch of 8 on (the
-    9th row starts a tile), where probing with a real row is pure cost; on AVX2's 0.28 alone, b / (b + 1.4) from 2."""
+    9th row starts a tile), where probing with a real row is pure cost; on AVX2's 0.13 alone, above 1 at 4, 8, ..."""
     return batch * (costs.step(batch + 1) + (depth_costs[0] if depth_costs else 0.0)) / costs.step(batch) - batch
 
 
@@ -233,7 +233,7 @@ def drafts_can_pay(varlen: bool, batch: int, costs: RowCosts = AVX512_COSTS) -> 
     """Whether a step of `batch` sampling sequences proposes drafts at all: with fixed draft lengths (the reproducible
     mode) always, every sequence drafting k whatever its neighbours; with varlen only where a draft can pay its row
     (first_draft_bar < 1: on AVX-512's cost model every batch below 8 sequences, and from there on the ones inside
-    a tile of TILE_ROWS; on AVX2's, without tile steps, every batch). Where even a draft sure to be accepted would
+    a tile of TILE_ROWS; on AVX2's every batch but multiples of 4). Where even a draft sure to be accepted would
     cost more than it brings, the plan could only answer none: nothing is planned, looked up or probed, and MTP
     caches no K/V for decode rows (mtp_upkeep)."""
     return not varlen or first_draft_bar(batch, (), costs) < 1

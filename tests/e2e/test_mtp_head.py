@@ -115,6 +115,7 @@ def test_drafting_and_upkeep_rows_in_one_staged_call_keep_greedy_tokens(tiny_wit
         step = next(steps)
         return [2 if (i + step) % 2 else 0 for i in range(len(states))]
     monkeypatch.setattr(runner, "plan_draft_lengths", every_other)
+    monkeypatch.setattr(runner, "drafts_can_pay", lambda *_: True)  # whatever this CPU's cost model says at 4
     staged_path = worker_mtp._staged
     monkeypatch.setattr(worker_mtp, "_staged", lambda *args: False)
     module_path = LLM(path, kv_cache_memory=8 << 20, speculative_method="mtp", draft=head, quantization="int8")
