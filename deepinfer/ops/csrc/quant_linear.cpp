@@ -190,9 +190,9 @@ void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, int32_t* xs,
 
 namespace {
 
-// The M rows of one block of 16 outputs (its records at qr): tiles of tile_rows() rows (kMaxTile, or the AVX2 4-bit
-// tile's 3), then one tile of the rest (one pass over the weight block per tile); every row runs the same per-row
-// sequence whatever tile it falls in.
+// The M rows of one block of 16 outputs (its records at qr): tiles of tile_rows() rows (kMaxTile, or 3 for AVX2's
+// 16-lane 4- and 8-bit tiles), then one tile of the rest (one pass over the weight block per tile); every row runs
+// the same per-row sequence whatever tile it falls in.
 template <int BITS, int G, typename ST, int OFF>
 void block_tiles(const uint8_t* qr, const ST* sr, const ST* orr, float c, int64_t ng, int64_t K, const int8_t* xq,
                  const float* xd, const int32_t* xs, const float* xt, int64_t M, float* out, int64_t ldo) {
@@ -201,7 +201,7 @@ void block_tiles(const uint8_t* qr, const ST* sr, const ST* orr, float c, int64_
   int64_t m = 0;
   for (; m + kTile <= M; m += kTile)
     tile<kTile, BITS, G, ST, OFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16),
-                                     xt + m * (3 * K / 32), K, out + m * ldo, ldo);
+                                  xt + m * (3 * K / 32), K, out + m * ldo, ldo);
 #if defined(DI_AVX512) || defined(DI_AVX2)
   auto rest = [&](auto rows) {
     tile<decltype(rows)::value, BITS, G, ST, OFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32),
