@@ -48,35 +48,23 @@ inline void piece_quants8(const uint8_t* rec, const uint8_t* fifth, int p, __m25
 // a tile (4-bit: 6 int16 sums, 4 registers of nibbles, the mask and 2 broadcasts fill the 16 registers; the float
 // sums live in memory between groups). Per lane it runs tile()'s integer sum (in another order: exact) and its
 // float steps in the same order: the same bits. SmolLM2's shapes on one Zen 3 thread against tile() with its 4 rows
-// (benchmarks/quant_linear_rows.py --threads 1 --variants "DI_WIDE4=0;DI_WIDE4_TILE=4;DI_WIDE4_TILE=3;..."):
+// (benchmarks/quant_linear_rows.py --threads 1 --variants "src=d5a002b's csrc;DI_WIDE_TILE=4;DI_WIDE_TILE=3;..."):
 // - Q4_1 layers: 1.23-1.37x at 64 and 512 rows, 1.10-1.19x at 8, ~1.1x at 1; 4 rows a tile 1.00-1.13x, 2 rows
 //   1.02-1.6x;
 // - the Q8_0 head: 1.5x / 1.1-1.2x / 1.1-1.2x at 1 / 8 / 64 rows with 3 or 4 rows a tile (2 threads: 1.1-1.2x).
-#ifndef DI_WIDE4
-#define DI_WIDE4 1
-#endif
-#ifndef DI_WIDE4_TILE
-#define DI_WIDE4_TILE 3
-#endif
-#ifndef DI_WIDE8
-#define DI_WIDE8 1
-#endif
-#ifndef DI_WIDE8_TILE
-#define DI_WIDE8_TILE 3
+#ifndef DI_WIDE_TILE
+#define DI_WIDE_TILE 3
 #endif
 template <int BITS, int G, int OFF>
 constexpr bool wide_tile() {
 #if defined(DI_AVXVNNI)
   return false;
 #else
-  return (OFF == kStored || OFF == kFolded) && ((DI_WIDE4 && BITS == 4 && G == 32) || (DI_WIDE8 && BITS == 8));
+  return (OFF == kStored || OFF == kFolded) && ((BITS == 4 && G == 32) || BITS == 8);
 #endif
 }
 template <int BITS, int G, int OFF>
-constexpr int tile_rows() {
-  if (!wide_tile<BITS, G, OFF>()) return kMaxTile;
-  return BITS == 4 ? DI_WIDE4_TILE : DI_WIDE8_TILE;
-}
+constexpr int tile_rows() { return wide_tile<BITS, G, OFF>() ? DI_WIDE_TILE : kMaxTile; }
 
 #if !defined(DI_AVXVNNI)
 // One group's integer sums, lanes 0-7 and 8-15 of MT rows (xq at the group's first value): 4-bit, four pieces'
@@ -154,15 +142,12 @@ void tile_wide(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, 
 }
 #endif
 
+// The other records: lanes 0-7, then 8-15, each half a pass over the group records.
 template <int MT, int BITS, int G, typename ST, int OFF>
-void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
-          const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
+void tile_halves(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
+                 const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
   constexpr int QB = 16 * G * BITS / 8;
   constexpr bool folded = OFF == kFolded || OFF == kTable;
-#if !defined(DI_AVXVNNI)  // (tile_wide exists only without VNNI)
-  if constexpr (wide_tile<BITS, G, OFF>())
-    return tile_wide<MT, BITS, G, ST, OFF>(q, s, o, c, ng, xq, xd, xs, xt, K, out, ldo);
-#endif
   __m256i table = _mm256_setzero_si256();  // kTable: the 16 values in each 128-bit lane, for vpshufb
   if constexpr (OFF == kTable) table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
   for (int half = 0; half < 2; ++half) {  // lanes 0-7, then 8-15
@@ -175,15 +160,15 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
 #if defined(DI_AVXVNNI)
       constexpr int32_t lift = 0;
 #else
-      // what the signed 8-bit products below leave out (table values are 8-bit quants too): 128 * sum(xq)
-      constexpr int32_t lift = BITS == 8 || OFF == kTable ? 128 : 0;
+      // what the signed products of a table's values (8-bit quants) leave out: 128 * sum(xq)
+      constexpr int32_t lift = OFF == kTable ? 128 : 0;
 #endif
       // the integer sum starts at (c + lift) * sum(xq) for a folded offset, lift * sum(xq) otherwise
       const int32_t start = (folded ? (int32_t)c : 0) + lift;
       __m256i isum[MT];
       for (int m = 0; m < MT; ++m)
         isum[m] = start != 0 ? _mm256_set1_epi32(start * group_xsum<G>(xs, m, K, g)) : _mm256_setzero_si256();
-      if (BITS == 4 || BITS == 5) {
+      if constexpr (BITS == 4 || BITS == 5) {
         const uint8_t* fifth = q + g * QB + 256 + 4 * half;  // + 16p: piece p's low nibbles' bits, + 8 the high's
 #if defined(DI_AVXVNNI)
         for (int p = 0; p < G / 8; ++p) {
@@ -215,7 +200,8 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
             }
           }
         } else {
-          constexpr int PW = BITS == 4 ? 4 : 2;  // pieces summed in int16 before widening (see above)
+          static_assert(BITS == 5, "4-bit records without a table take tile_wide");
+          constexpr int PW = 2;  // pieces summed in int16 before widening (see above)
           for (int p0 = 0; p0 < G / 8; p0 += PW) {
             __m256i s16[MT];
             for (int m = 0; m < MT; ++m) s16[m] = _mm256_setzero_si256();
@@ -226,10 +212,6 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
                 const int8_t* x = xq + m * K + k0 + 8 * p;
                 s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(wl, _mm256_set1_epi32(load_i32(x))));
                 s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(wh, _mm256_set1_epi32(load_i32(x + 4))));
-                // 4-bit (with DI_WIDE4=0): each row's sum in order. Left free, GCC sums a tree of all the group's
-                // products and spills them (SmolLM2 Q4_1 at 64 rows, Zen 3: 1.03-1.07x on 1 thread, 0.95-1.24x on
-                // 2; 5- and 8-bit were slower with it)
-                if constexpr (BITS == 4) asm("" : "+x"(s16[m]));
               }
             }
             for (int m = 0; m < MT; ++m) isum[m] = _mm256_add_epi32(isum[m], widen16(s16[m]));
@@ -244,15 +226,7 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
             isum[m] = _mm256_dpbusd_avx_epi32(isum[m], w, _mm256_set1_epi32(load_i32(xq + m * K + k0 + 4 * p)));
         }
 #else
-        const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-        for (int p = 0; p < G / 4; ++p) {
-          const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * p)), flip);
-          const __m256i wa = _mm256_abs_epi8(ws);
-          for (int m = 0; m < MT; ++m) {
-            const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xq + m * K + k0 + 4 * p)), ws);
-            isum[m] = _mm256_add_epi32(isum[m], widen16(_mm256_maddubs_epi16(wa, x)));
-          }
-        }
+        static_assert(BITS != 8, "8-bit records without VNNI take tile_wide");
 #endif
       }
       const __m256 sv = load8(s + g * 16 + 8 * half);
@@ -264,5 +238,19 @@ void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const
       }
     }
     for (int m = 0; m < MT; ++m) _mm256_storeu_ps(out + m * ldo + 8 * half, acc[m]);
+  }
+}
+
+template <int MT, int BITS, int G, typename ST, int OFF>
+void tile(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
+          const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
+#if !defined(DI_AVXVNNI)
+  if constexpr (wide_tile<BITS, G, OFF>()) {
+    tile_wide<MT, BITS, G, ST, OFF>(q, s, o, c, ng, xq, xd, xs, xt, K, out, ldo);
+    return;
+  } else
+#endif
+  {
+    tile_halves<MT, BITS, G, ST, OFF>(q, s, o, c, ng, xq, xd, xs, xt, K, out, ldo);
   }
 }
