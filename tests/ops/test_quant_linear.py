@@ -193,7 +193,7 @@ def test_every_instruction_set_build_gives_the_native_bits(kernels, isa):
                      (QType.Q8_0, 576), (QType.Q4_K, 512), (QType.Q5_0, 96), (QType.Q5_K, 256), (QType.Q2_K, 256),
                      (QType.Q3_K, 512), (QType.IQ4_NL, 96), (QType.IQ4_XS, 256)):
         packed = ql.pack(canonical(qtype, random_blocks(qtype, 40, k, seed=5), (40, k)))
-        x = torch.randn(20, k, generator=torch.Generator().manual_seed(6))  # 20: 5-bit blocks widened at 16+ rows
+        x = torch.randn(20, k, generator=torch.Generator().manual_seed(6))  # 20: 5-bit blocks widened (AVX-512: 16+ rows, AVX2: 2+)
         x[1, 32:64] = 0.0  # a block whose d is 0
         x[2, 5], x[3, k - 3], x[4, 40] = 3e38, float("inf"), float("nan")  # near float max; d = inf; NaN dropped
         ours, theirs = ql.linear(kernels, x, packed), ql.linear(other, x, packed)

@@ -190,48 +190,27 @@ void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, int32_t* xs,
 
 namespace {
 
-// The M rows of one block of 16 outputs (its records at qr): tiles of tile_rows() rows (kMaxTile, or 3 for AVX2's
-// 16-lane 4- and 8-bit tiles), then one tile of the rest (one pass over the weight block per tile); every row runs
-// the same per-row sequence whatever tile it falls in.
-template <int BITS, int G, typename ST, int OFF>
-void block_tiles(const uint8_t* qr, const ST* sr, const ST* orr, float c, int64_t ng, int64_t K, const int8_t* xq,
-                 const float* xd, const int32_t* xs, const float* xt, int64_t M, float* out, int64_t ldo) {
-  constexpr int kTile = tile_rows<BITS, G, OFF>();
-  static_assert(kTile <= kMaxTile, "the rest below has cases up to kMaxTile - 1 rows");
-  int64_t m = 0;
-  for (; m + kTile <= M; m += kTile)
-    tile<kTile, BITS, G, ST, OFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16),
-                                  xt + m * (3 * K / 32), K, out + m * ldo, ldo);
-#if defined(DI_AVX512) || defined(DI_AVX2)
-  auto rest = [&](auto rows) {
-    tile<decltype(rows)::value, BITS, G, ST, OFF>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32),
-                                                  xs + m * (K / 16), xt + m * (3 * K / 32), K, out + m * ldo, ldo);
-  };
-  switch (M - m) {
-#if defined(DI_AVX512)
-    case 7: rest(std::integral_constant<int, 7>{}); break;
-    case 6: rest(std::integral_constant<int, 6>{}); break;
-    case 5: rest(std::integral_constant<int, 5>{}); break;
-    case 4: rest(std::integral_constant<int, 4>{}); break;
-#endif
-    case 3: rest(std::integral_constant<int, 3>{}); break;
-    case 2: rest(std::integral_constant<int, 2>{}); break;
-    case 1: rest(std::integral_constant<int, 1>{}); break;
-    default: break;
-  }
-#endif
-}
+#include "block_tiles.h"  // FormatTiles, Widened5Tiles, block_tiles
 
-// 5-bit blocks with many rows (AVX-512): the block's records widened once to the 8-bit layout, then the 8-bit tiles
-// over them. The same integer sums and the same float steps, so the same bits as the 5-bit tiles; the unpacking
-// (two masked adds per 64 bytes besides the nibbles') is paid once per block instead of once per tile of rows.
-// Gemma 3's 5-bit layers at 64 and 512 rows: 1.04-1.08x over the 5-bit tiles (benchmarks/quant_linear_rows.py
-// --shapes g_qkv,g_gate_up --variants "DI_WIDEN5_ROWS=100000;DI_WIDEN5_ROWS=16"), 0.95-0.96x of a copy stored
-// widened to 8 bits; at 1 row the 5-bit records stream 1.4x faster than that copy, which is what the 5 bits are for.
-// The buffer has room past its end for the 8-bit tiles' prefetches, which read kPrefetch records ahead: outside it
-// they pulled unrelated lines into L1 (0.90x of the 8-bit copy instead of 0.95x).
+
+// 5-bit blocks with many rows: the block's records widened once (widen5), then tiles over the widened records
+// (Widened5Tiles: AVX-512's 8-bit tiles; AVX2 without VNNI, tile_wide<5>). The same integer sums and the same float
+// steps, so the same bits as the 5-bit tiles; the unpacking is paid once per block instead of once per tile of rows.
+// - AVX-512 (two masked adds per 64 bytes besides the nibbles'): Gemma 3's 5-bit layers at 64 and 512 rows
+//   1.04-1.08x over the 5-bit tiles (benchmarks/quant_linear_rows.py --shapes g_qkv,g_gate_up --variants
+//   "DI_WIDEN5_ROWS=100000;DI_WIDEN5_ROWS=16"), 0.95-0.96x of a copy stored widened to 8 bits; at 1 row the 5-bit
+//   records stream 1.4x faster than that copy, which is what the 5 bits are for.
+// - AVX2 without VNNI (a shuffle, a compare and two logic ops per 32 fifth bits; 16 lanes a pass instead of two
+//   halves): on one Zen 3 thread 1.03-1.06x at 2 rows, 1.10-1.14x at 4, 1.29x at 8, 1.30-1.41x at 16 and 64,
+//   1.48-1.65x at 512; 0.95-1.06x at 1 row (so from 2 rows). 3 rows a tile: 2 gave 1.02-1.07x less, 4 spilled.
+// The buffer has room past its end for the tiles' prefetches, which read kPrefetch records ahead: outside it they
+// pulled unrelated lines into L1 (AVX-512: 0.90x of the 8-bit copy instead of 0.95x).
 #ifndef DI_WIDEN5_ROWS
+#if defined(DI_AVX512)
 #define DI_WIDEN5_ROWS 16
+#else
+#define DI_WIDEN5_ROWS 2
+#endif
 #endif
 constexpr int64_t kWiden5Rows = DI_WIDEN5_ROWS;
 
@@ -241,7 +220,7 @@ void block_rows(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, 
                 int64_t col0) {
   const int64_t ng = K / G;
   const int64_t qb = 16 * G * BITS / 8;
-#if defined(DI_AVX512)
+#if defined(DI_WIDEN5)
   // not value-initialised: every byte a tile reads is written by widen5 first (the room past it is only prefetched)
   const std::unique_ptr<uint8_t[]> wide(BITS == 5 && M >= kWiden5Rows ? new uint8_t[16 * K + 512 * (kPrefetch + 1)]
                                                                        : nullptr);
@@ -251,16 +230,16 @@ void block_rows(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, 
     const ST* sr = s + b * ng * 16;
     const ST* orr = OFF == kStored ? o + b * ng * 16 : OFF == kTable ? o : nullptr;
     float* ob = out + 16 * (b - col0);
-#if defined(DI_AVX512)
+#if defined(DI_WIDEN5)
     if constexpr (BITS == 5 && G == 32) {
       if (wide) {
         widen5(qr, ng, wide.get());
-        block_tiles<8, G, ST, OFF>(wide.get(), sr, orr, c, ng, K, xq, xd, xs, xt, M, ob, ldo);
+        block_tiles<Widened5Tiles<G, ST, OFF>>(wide.get(), sr, orr, c, ng, K, xq, xd, xs, xt, M, ob, ldo);
         continue;
       }
     }
 #endif
-    block_tiles<BITS, G, ST, OFF>(qr, sr, orr, c, ng, K, xq, xd, xs, xt, M, ob, ldo);
+    block_tiles<FormatTiles<BITS, G, ST, OFF>>(qr, sr, orr, c, ng, K, xq, xd, xs, xt, M, ob, ldo);
   }
 }
 

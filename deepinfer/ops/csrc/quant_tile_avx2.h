@@ -1,7 +1,7 @@
 // Part of quant_linear.cpp, included there inside its anonymous namespace when the build has AVX2 but not
-// AVX-512 VNNI: tile() for AVX2, with AVX-VNNI's dpbusd or with maddubs, and tile4_wide for 4-bit records without
-// VNNI. They use load_i32, group_xsum, group_term and prefetch_ahead from quant_linear.cpp and follow the record
-// layout and arithmetic described at its top.
+// AVX-512 VNNI: tile() for AVX2, with AVX-VNNI's dpbusd or with maddubs; without VNNI also tile_wide (16 lanes a
+// pass) and widen5 (5-bit records as bytes, for many rows). They use load_i32, group_xsum, group_term and
+// prefetch_ahead from quant_linear.cpp and follow the record layout and arithmetic described at its top.
 template <typename ST> inline __m256 load8(const ST* p);
 template <> inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
 template <> inline __m256 load8<uint16_t>(const uint16_t* p) {
@@ -110,10 +110,51 @@ inline void group_sums8(const uint8_t* rec, const int8_t* xq, int64_t K, __m256i
   }
 }
 
+// 5-bit records with many rows: widen5 writes a block's records once as bytes 0..31 in the 8-bit layout, and
+// tile_wide<5> reads those (no unpacking per tile). A 5-bit pair of products is at most 7874, so two pieces' products
+// (4 maddubs, <= 31496) add up in int16 before each widening; the weights go two registers at a time so that 3 rows'
+// int16 and int32 sums stay in registers.
+#define DI_WIDEN5 1
+inline void widen5(const uint8_t* q, int64_t ng, uint8_t* out) {
+  for (int64_t g = 0; g < ng; ++g, q += 320, out += 512) {
+    for (int line = 0; line < 320; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetch * 320 + line), _MM_HINT_T0);
+    for (int p = 0; p < 4; ++p)
+      for (int half = 0; half < 2; ++half) {
+        __m256i lo, hi;
+        piece_quants8<5>(q + 32 * half, q + 256 + 4 * half, p, lo, hi);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 128 * p + 32 * half), lo);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 128 * p + 64 + 32 * half), hi);
+      }
+  }
+}
+
+template <int MT>
+inline void group_sums5w(const uint8_t* rec, const int8_t* xq, int64_t K, __m256i (&isum)[MT][2]) {
+  for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+  for (int p0 = 0; p0 < 4; p0 += 2) {
+    __m256i s16[MT][2];
+    for (int m = 0; m < MT; ++m) s16[m][0] = s16[m][1] = _mm256_setzero_si256();
+    for (int r = 2 * p0; r < 2 * p0 + 4; ++r) {  // 8-bit pieces: k = 4r..4r+3
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * r));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * r + 32));
+      for (int m = 0; m < MT; ++m) {
+        const __m256i x = _mm256_set1_epi32(load_i32(xq + m * K + 4 * r));
+        s16[m][0] = _mm256_add_epi16(s16[m][0], _mm256_maddubs_epi16(w0, x));
+        s16[m][1] = _mm256_add_epi16(s16[m][1], _mm256_maddubs_epi16(w1, x));
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int h = 0; h < 2; ++h) isum[m][h] = _mm256_add_epi32(isum[m][h], widen16(s16[m][h]));
+  }
+}
+
+// BITS 5: the records widen5 wrote (512 bytes a group), not the 5-bit layout.
 template <int MT, int BITS, int G, typename ST, int OFF>
 void tile_wide(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
                const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
-  constexpr int QB = 16 * G * BITS / 8;
+  static_assert(BITS != 5 || G == 32, "widened 5-bit records come in groups of 32");
+  constexpr int QB = 16 * G * (BITS == 5 ? 8 : BITS) / 8;
   constexpr bool folded = OFF == kFolded;
   const int32_t start = (folded ? (int32_t)c : 0) + (BITS == 8 ? 128 : 0);  // as in tile() below
   __m256 acc[MT][2];
@@ -124,6 +165,7 @@ void tile_wide(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, 
     prefetch_ahead<QB>(rec, s + g * 16, OFF == kStored ? o + g * 16 : nullptr);
     __m256i isum[MT][2];
     if constexpr (BITS == 4) group_sums4<MT>(rec, xq + k0, K, isum);
+    else if constexpr (BITS == 5) group_sums5w<MT>(rec, xq + k0, K, isum);
     else group_sums8<MT, G>(rec, xq + k0, K, isum);
     for (int h = 0; h < 2; ++h) {
       const __m256 sv = load8(s + g * 16 + 8 * h);

@@ -22,6 +22,7 @@ inline __m512i dot_bcast(__m512i isum, __m512i w, const int8_t* x) {
 
 // ng 5-bit group records (32 values) -> the same quants as ng 8-bit records: piece p's low nibbles are the 8-bit
 // record's piece 2p, its high nibbles piece 2p + 1. The records are asked for kPrefetch groups ahead, as tile() does.
+#define DI_WIDEN5 1
 inline void widen5(const uint8_t* q, int64_t ng, uint8_t* out) {
   for (int64_t g = 0; g < ng; ++g, q += 320, out += 512) {
     for (int line = 0; line < 320; line += 64)
