@@ -60,28 +60,34 @@ def split_head_bytes(config: EngineConfig, ops) -> int | None:
     """The smallest 8-bit LM head build_model puts in split planes (None: none; off unless asked for, since sampled
     steps pay for the unpacking where the memory is fast). Auto (config.split_head None): only where every step has
     one row (one sequence at a time, no drafts to verify: 3+ rows lose, doc/inference_deployment_qa.md) and only
-    heads over twice the last-level cache (one that fits reads from cache and only pays for the unpacking)."""
+    heads over twice the last-level cache (one that fits reads from cache and only pays for the unpacking), and only
+    on AVX-512: elsewhere csrc/split_head.cpp unpacks the planes byte by byte (Gemma 3 on a 2-core Zen 3, AVX2: 0.57x
+    greedy, 0.04x sampled; benchmarks/split_head.py)."""
     if ops is None or config.split_head is False:
         return None
     if config.split_head:
         return 0
-    if config.scheduler.max_num_seqs != 1 or config.spec.enabled:
+    if config.scheduler.max_num_seqs != 1 or config.spec.enabled or not ops.isa().startswith("avx512"):
         return None
     return 2 * (last_level_cache_bytes() or 32 << 20)
 
 
-def split_head_report(config: EngineConfig, model) -> str:
+def split_head_report(config: EngineConfig, model, ops) -> str:
     """For the start-up log: whether the head went in split planes, and why."""
     packed = getattr(getattr(getattr(model, "lm_head", None), "weight", None), "packed", None)
+    slow = "the planes unpack byte by byte without AVX-512 (0.57x greedy, 0.04x sampled on AVX2)"
     if isinstance(packed, SplitWeight):
         how = "DEEPINFER_SPLIT_HEAD=1" if config.split_head else "auto: one sequence at a time, the head over 2x the L3"
-        return f"yes ({how}): greedy steps of up to {packed.max_rows} rows read 5/8 of it"
+        return (f"yes ({how}): greedy steps of up to {packed.max_rows} rows read 5/8 of it"
+                + ("" if ops.isa().startswith("avx512") else f"; but {slow}"))
     if config.split_head is False:
         return "no (off by default; DEEPINFER_SPLIT_HEAD=1 or auto for one-user greedy decoding)"
     if packed is None or not splittable(packed):
         return "no (not an 8-bit symmetric head)"
     if config.split_head is None and (config.scheduler.max_num_seqs != 1 or config.spec.enabled):
         return "no (auto: only with max_num_seqs 1 and no speculative decoding; DEEPINFER_SPLIT_HEAD=1 forces it)"
+    if config.split_head is None and not ops.isa().startswith("avx512"):
+        return f"no (auto: AVX-512 only; {slow})"
     return "no (auto: the head fits in twice the last-level cache)"
 
 
@@ -151,7 +157,7 @@ class InProcessExecutor(Executor):
                                  ops=ops, fused_glue=glue, huge_pages=config.huge_pages,
                                  split_head=split_head_bytes(config, ops), amx_prefill=self.amx_prefill)
         if ops is not None and compute.quantization is not None:
-            logger.info("LM head in split planes: %s", split_head_report(config, self.model))
+            logger.info("LM head in split planes: %s", split_head_report(config, self.model, ops))
         self.quantized = compute.quantization is not None
         self._prepare_mtp(files, ops, glue)
         self.runner: ModelRunner | None = None

@@ -142,17 +142,23 @@ def test_greedy_tokens_are_the_same_with_the_split_head(kernels, monkeypatch):
     assert outputs[0] == outputs[1]
 
 
-def test_off_by_default_and_auto_splits_only_one_sequence_engines_whose_head_outgrows_the_cache():
+def test_off_by_default_and_auto_splits_only_one_sequence_avx512_engines_whose_head_outgrows_the_cache():
     from deepinfer.config import EngineConfig
     from deepinfer.worker.executor import split_head_bytes
 
     def config(**kwargs):
         return EngineConfig.from_kwargs(env={}, **kwargs)
 
-    ops, limit = object(), 2 * (cpu_ops.last_level_cache_bytes() or 32 << 20)
+    class Ops:
+        def __init__(self, isa):
+            self.isa = lambda: isa
+
+    ops, limit = Ops("avx512-vnni"), 2 * (cpu_ops.last_level_cache_bytes() or 32 << 20)
     assert split_head_bytes(config(max_num_seqs=1), ops) is None  # off by default
     auto = EngineConfig.from_kwargs(env={"DEEPINFER_SPLIT_HEAD": "auto"}, max_num_seqs=1)
     assert auto.split_head is None and split_head_bytes(auto, ops) == limit
+    assert split_head_bytes(auto, Ops("avx2")) is None  # no vector unpacking of the planes: they lose there
+    assert split_head_bytes(config(split_head=True), Ops("avx2")) == 0  # asked for: still split (the log warns)
     assert split_head_bytes(config(split_head=None), ops) is None  # many sequences: 3+ rows pay for the unpacking
     assert split_head_bytes(config(split_head=None, max_num_seqs=1, speculative_method="ngram"), ops) is None
     assert split_head_bytes(config(split_head=True), ops) == 0
