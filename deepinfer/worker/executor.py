@@ -61,8 +61,8 @@ def split_head_bytes(config: EngineConfig, ops) -> int | None:
     steps pay for the unpacking where the memory is fast). Auto (config.split_head None): only where every step has
     one row (one sequence at a time, no drafts to verify: 3+ rows lose, doc/inference_deployment_qa.md) and only
     heads over twice the last-level cache (one that fits reads from cache and only pays for the unpacking), and only
-    on AVX-512: elsewhere csrc/split_head.cpp unpacks the planes byte by byte (Gemma 3 on a 2-core Zen 3, AVX2: 0.57x
-    greedy, 0.04x sampled; benchmarks/split_head.py)."""
+    on AVX-512: with AVX2 alone the unpacking costs more than the bytes save (Gemma 3's one-user decode on a 2-core
+    Zen 3: 1.09x greedy, 0.77x sampled; benchmarks/split_head.py)."""
     if ops is None or config.split_head is False:
         return None
     if config.split_head:
@@ -75,7 +75,7 @@ def split_head_bytes(config: EngineConfig, ops) -> int | None:
 def split_head_report(config: EngineConfig, model, ops) -> str:
     """For the start-up log: whether the head went in split planes, and why."""
     packed = getattr(getattr(getattr(model, "lm_head", None), "weight", None), "packed", None)
-    slow = "the planes unpack byte by byte without AVX-512 (0.57x greedy, 0.04x sampled on AVX2)"
+    slow = "without AVX-512 the unpacking costs more than the bytes save (1.09x greedy, 0.77x sampled on AVX2)"
     if isinstance(packed, SplitWeight):
         how = "DEEPINFER_SPLIT_HEAD=1" if config.split_head else "auto: one sequence at a time, the head over 2x the L3"
         return (f"yes ({how}): greedy steps of up to {packed.max_rows} rows read 5/8 of it"
