@@ -35,9 +35,13 @@ SHAPES = {
     # Gemma 3 270M's Q5_0 layers (fused q|k|v where all three are Q5_0, gate|up) and its tied Q8_0 head (178 MB:
     # larger than the caches, so it runs at the memory bandwidth at 1 row)
     "g_qkv": (1536, 640, "q5_0"), "g_gate_up": (4096, 640, "q5_0"), "g_head": (262144, 640, "q8_0"),
+    # and its Q6_K down projections (8-bit records of quants below 64)
+    "g_down": (640, 2048, "q6_k"),
 }
 FORMATS = {"q4_1": ql.QuantFormat(4, 32, "float16", True), "q8_0": ql.QuantFormat(8, 32, "float16", False, c=-128),
-           "q5_0": ql.QuantFormat(5, 32, "float16", False, c=-16)}
+           "q5_0": ql.QuantFormat(5, 32, "float16", False, c=-16),
+           "q6_k": ql.QuantFormat(8, 16, "float32", False, c=-32)}
+VALUE_BITS = {"q6_k": 6}  # quants below 2^this (default: the format's bits)
 
 
 def variant_module(spec: str, index: int):
@@ -53,8 +57,8 @@ def variant_module(spec: str, index: int):
     return cpu_ops.build(name, flags, csrc)
 
 
-def random_weight(n: int, k: int, fmt: ql.QuantFormat, rng: np.random.Generator) -> ql.PackedWeight:
-    u = rng.integers(0, 1 << fmt.bits, size=(n, k), dtype=np.uint8)
+def random_weight(n: int, k: int, fmt: ql.QuantFormat, rng: np.random.Generator, value_bits: int) -> ql.PackedWeight:
+    u = rng.integers(0, 1 << value_bits, size=(n, k), dtype=np.uint8)
     scales = (rng.random((n, k // fmt.group), dtype=np.float32) * 0.01).astype(np.float16).astype(np.float32)
     offsets = (rng.standard_normal((n, k // fmt.group), dtype=np.float32) * 0.01).astype(np.float16).astype(
         np.float32) if fmt.affine else None
@@ -80,7 +84,7 @@ def main() -> None:
     results = []
     for shape in args.shapes.split(","):
         n, k, fmt = SHAPES[shape]
-        weight = random_weight(n, k, FORMATS[fmt], rng)
+        weight = random_weight(n, k, FORMATS[fmt], rng, VALUE_BITS.get(fmt, FORMATS[fmt].bits))
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             want = ql.linear(modules[0], x, weight)

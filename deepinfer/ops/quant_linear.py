@@ -94,8 +94,13 @@ class PackedWeight:
 
     @functools.cached_property
     def op_args(self) -> tuple:
-        """The kernel's weight arguments, looked up once: a decode step calls the kernel 121 times (SmolLM2)."""
-        return (self.quants, self.scales, self.offsets, self.fmt.bits, self.fmt.group, float(self.fmt.c), self.n)
+        """The kernel's weight arguments, looked up once: a decode step calls the kernel 121 times (SmolLM2). 8-bit
+        records whose quants are all below 64 (GGUF Q6_K's) go as bits 6: AVX2 without VNNI multiplies them unsigned,
+        without the sign flip a full byte needs (csrc/quant_tile_avx2.h); the other builds read them as 8-bit."""
+        bits = self.fmt.bits
+        if bits == 8 and self.fmt.table is None and self.quants.numel() and int(self.quants.max()) < 64:
+            bits = 6
+        return (self.quants, self.scales, self.offsets, bits, self.fmt.group, float(self.fmt.c), self.n)
 
 
 def unify(parts: list[Canonical]) -> Canonical:

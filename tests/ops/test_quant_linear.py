@@ -198,3 +198,16 @@ def test_every_instruction_set_build_gives_the_native_bits(kernels, isa):
         x[2, 5], x[3, k - 3], x[4, 40] = 3e38, float("inf"), float("nan")  # near float max; d = inf; NaN dropped
         ours, theirs = ql.linear(kernels, x, packed), ql.linear(other, x, packed)
         assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32)), qtype.name
+
+
+def test_8bit_records_of_small_quants_go_as_bits_6_and_give_the_8bit_bits(kernels):
+    """Q6_K's 8-bit records hold quants below 64: the kernel gets bits 6 (AVX2 without VNNI multiplies them unsigned)
+    and computes what the same records read as any 8-bit records give; a record with a quant of 64 or more stays 8."""
+    k = 256
+    packed = ql.pack(canonical(QType.Q6_K, random_blocks(QType.Q6_K, 40, k, seed=7), (40, k)))
+    assert packed.fmt.bits == 8 and packed.op_args[3] == 6
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(8))
+    as_8bit = kernels.quant_linear(x, *packed.op_args[:3], 8, *packed.op_args[4:], None)
+    assert torch.equal(ql.linear(kernels, x, packed).view(torch.int32), as_8bit.view(torch.int32))
+    int8 = ql.pack(ql.quantize_int8(np.random.default_rng(9).standard_normal((40, k)).astype(np.float32)))
+    assert int8.op_args[3] == 8

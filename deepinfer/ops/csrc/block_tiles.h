@@ -18,6 +18,23 @@ using Widened5Tiles = FormatTiles<8, G, ST, OFF>;
 #elif defined(DI_WIDEN5)  // AVX2 without VNNI: tile_wide<5> reads them (quant_tile_avx2.h)
 #ifndef DI_WIDE5_TILE
 #define DI_WIDE5_TILE 3
+// 8-bit records whose quants are all below 64 (GGUF Q6_K): tile_wide<6> multiplies them unsigned, without the sign
+// flip (quant_tile_avx2.h); -DDI_SMALL8_TILES=0 reads them as any 8-bit records (benchmarks/quant_linear_rows.py)
+#ifndef DI_SMALL8_TILES
+#define DI_SMALL8_TILES 1
+#endif
+#if DI_SMALL8_TILES
+#define DI_SMALL8 1
+#endif
+template <int G, typename ST, int OFF>
+struct Small8Tiles {
+  static constexpr int kRows = DI_WIDE5_TILE;
+  template <int MT>
+  static void run(const uint8_t* qr, const ST* sr, const ST* orr, float c, int64_t ng, const int8_t* xq,
+                  const float* xd, const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
+    tile_wide<MT, 6, G, ST, OFF>(qr, sr, orr, c, ng, xq, xd, xs, xt, K, out, ldo);
+  }
+};
 #endif
 template <int G, typename ST, int OFF>
 struct Widened5Tiles {

@@ -17,6 +17,7 @@ struct QuantView {
   int64_t bits, group, nb, k;  // nb: blocks of 16 output rows
   bool half, affine;
   const uint8_t* table = nullptr;  // a table format's 16 values: 4-bit quants index them (IQ4_NL, IQ4_XS)
+  bool small = false;  // 8-bit records whose quants are all below 64 (passed as bits 6): AVX2 multiplies them unsigned
 };
 QuantView quant_view(const torch::Tensor& quants, const torch::Tensor& scales, const torch::Tensor& offsets,
                      int64_t bits, int64_t group, double c, int64_t k);

@@ -214,7 +214,7 @@ namespace {
 #endif
 constexpr int64_t kWiden5Rows = DI_WIDEN5_ROWS;
 
-template <int BITS, int G, typename ST, int OFF>
+template <int BITS, int G, typename ST, int OFF, bool SMALL = false>
 void block_rows(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, const int8_t* xq, const float* xd,
                 const int32_t* xs, const float* xt, int64_t M, float* out, int64_t ldo, int64_t begin, int64_t end,
                 int64_t col0) {
@@ -230,6 +230,12 @@ void block_rows(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, 
     const ST* sr = s + b * ng * 16;
     const ST* orr = OFF == kStored ? o + b * ng * 16 : OFF == kTable ? o : nullptr;
     float* ob = out + 16 * (b - col0);
+#if defined(DI_SMALL8)
+    if constexpr (SMALL) {
+      block_tiles<Small8Tiles<G, ST, OFF>>(qr, sr, orr, c, ng, K, xq, xd, xs, xt, M, ob, ldo);
+      continue;
+    }
+#endif
 #if defined(DI_WIDEN5)
     if constexpr (BITS == 5 && G == 32) {
       if (wide) {
@@ -253,12 +259,12 @@ void block_rows(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, 
 #endif
 constexpr int64_t kRowChunk = DI_ROW_CHUNK;
 
-template <int BITS, int G, typename ST, int OFF>
+template <int BITS, int G, typename ST, int OFF, bool SMALL = false>
 void blocks(const uint8_t* q, const ST* s, const ST* o, float c, int64_t K, const int8_t* xq, const float* xd,
             const int32_t* xs, const float* xt, int64_t M, float* out, int64_t ldo, int64_t begin, int64_t end,
             int64_t col0) {
   for (int64_t m = 0; m < M; m += kRowChunk)
-    block_rows<BITS, G, ST, OFF>(q, s, o, c, K, xq + m * K, xd + m * (K / 32), xs + m * (K / 16),
+    block_rows<BITS, G, ST, OFF, SMALL>(q, s, o, c, K, xq + m * K, xd + m * (K / 32), xs + m * (K / 16),
                                  xt + m * (3 * K / 32), std::min(kRowChunk, M - m), out + m * ldo, ldo, begin, end,
                                  col0);
 }
@@ -274,6 +280,10 @@ void blocks_of(const QuantView& w, const int8_t* xq, const float* xd, const int3
   } else {
     if (w.bits == 4 && w.group == 32) return blocks<4, 32, ST, OFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
     if (w.bits == 5 && w.group == 32) return blocks<5, 32, ST, OFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+#if defined(DI_SMALL8)
+    if (w.small && w.group == 32) return blocks<8, 32, ST, OFF, true>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+    if (w.small && w.group == 16) return blocks<8, 16, ST, OFF, true>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
+#endif
     if (w.bits == 8 && w.group == 32) return blocks<8, 32, ST, OFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
     if (w.bits == 8 && w.group == 16) return blocks<8, 16, ST, OFF>(w.quants, s, o, w.c, w.k, xq, xd, xs, xt, M, out, ldo, begin, end, col0);
   }
@@ -283,6 +293,8 @@ void blocks_of(const QuantView& w, const int8_t* xq, const float* xd, const int3
 
 QuantView quant_view(const torch::Tensor& quants, const torch::Tensor& scales, const torch::Tensor& offsets,
                      int64_t bits, int64_t group, double c, int64_t k) {
+  const bool small = bits == 6;  // 8-bit records, every quant below 64 (the caller knows: ops/quant_linear.py)
+  if (small) bits = 8;
   TORCH_CHECK(((bits == 4 || bits == 5) && group == 32) || (bits == 8 && (group == 32 || group == 16)),
               "quant_linear: unsupported format bits=", bits, " group=", group);
   TORCH_CHECK(k % 32 == 0 && k % group == 0, "quant_linear: K=", k, " must be a multiple of 32 and of the group");
@@ -294,7 +306,7 @@ QuantView quant_view(const torch::Tensor& quants, const torch::Tensor& scales, c
   TORCH_CHECK(!table || (offsets.numel() == 16 && bits == 4 && group == 32 && c == std::nearbyint(c)),
               "quant_linear: a table format has 16 values, 4-bit quants in groups of 32 and an integer c");
   return QuantView{quants.data_ptr<uint8_t>(), scales.data_ptr(), aff ? offsets.data_ptr() : nullptr, (float)c,
-                   bits, group, nb, k, half, aff, table ? offsets.data_ptr<uint8_t>() : nullptr};
+                   bits, group, nb, k, half, aff, table ? offsets.data_ptr<uint8_t>() : nullptr, small};
 }
 
 void quant_blocks(const QuantView& w, const int8_t* xq, const float* xd, const int32_t* xs, const float* xt,

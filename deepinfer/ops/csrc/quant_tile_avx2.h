@@ -149,12 +149,35 @@ inline void group_sums5w(const uint8_t* rec, const int8_t* xq, int64_t K, __m256
   }
 }
 
-// BITS 5: the records widen5 wrote (512 bytes a group), not the 5-bit layout.
+// 8-bit records whose quants are all below 64 (GGUF Q6_K's), multiplied unsigned without the sign flip: a pair of
+// products is at most 16002, so one piece's products (2 maddubs, <= 32004) add up in int16 before each widening.
+template <int MT, int G>
+inline void group_sums6(const uint8_t* rec, const int8_t* xq, int64_t K, __m256i (&isum)[MT][2]) {
+  for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+  for (int p = 0; p < G / 8; ++p) {
+    __m256i s16[MT][2];
+    for (int m = 0; m < MT; ++m) s16[m][0] = s16[m][1] = _mm256_setzero_si256();
+    for (int r = 2 * p; r < 2 * p + 2; ++r) {  // 8-bit pieces: k = 4r..4r+3
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * r));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * r + 32));
+      for (int m = 0; m < MT; ++m) {
+        const __m256i x = _mm256_set1_epi32(load_i32(xq + m * K + 4 * r));
+        s16[m][0] = _mm256_add_epi16(s16[m][0], _mm256_maddubs_epi16(w0, x));
+        s16[m][1] = _mm256_add_epi16(s16[m][1], _mm256_maddubs_epi16(w1, x));
+      }
+    }
+    for (int m = 0; m < MT; ++m)
+      for (int h = 0; h < 2; ++h) isum[m][h] = _mm256_add_epi32(isum[m][h], widen16(s16[m][h]));
+  }
+}
+
+// BITS 5: the records widen5 wrote (512 bytes a group), not the 5-bit layout; BITS 6: 8-bit records whose quants are
+// all below 64.
 template <int MT, int BITS, int G, typename ST, int OFF>
 void tile_wide(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, const int8_t* xq, const float* xd,
                const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
   static_assert(BITS != 5 || G == 32, "widened 5-bit records come in groups of 32");
-  constexpr int QB = 16 * G * (BITS == 5 ? 8 : BITS) / 8;
+  constexpr int QB = 16 * G * (BITS == 4 ? 4 : 8) / 8;
   constexpr bool folded = OFF == kFolded;
   const int32_t start = (folded ? (int32_t)c : 0) + (BITS == 8 ? 128 : 0);  // as in tile() below
   __m256 acc[MT][2];
@@ -166,6 +189,7 @@ void tile_wide(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, 
     __m256i isum[MT][2];
     if constexpr (BITS == 4) group_sums4<MT>(rec, xq + k0, K, isum);
     else if constexpr (BITS == 5) group_sums5w<MT>(rec, xq + k0, K, isum);
+    else if constexpr (BITS == 6) group_sums6<MT, G>(rec, xq + k0, K, isum);
     else group_sums8<MT, G>(rec, xq + k0, K, isum);
     for (int h = 0; h < 2; ++h) {
       const __m256 sv = load8(s + g * 16 + 8 * h);
