@@ -1,7 +1,7 @@
 // Part of quant_linear.cpp, included there inside its anonymous namespace after tile() (quant_tile_*.h):
 // block_tiles, the tiles of rows that pass over one block of 16 outputs, and the tile bodies it takes.
 
-// tile() of one format, for block_tiles (quant_tile_avx2.h has another: 5-bit records widened).
+// tile() of one format, for block_tiles (AVX2 has ByteTiles below too: byte records, widened 5-bit or Q6_K's).
 template <int BITS, int G, typename ST, int OFF>
 struct FormatTiles {
   static constexpr int kRows = tile_rows<BITS, G, OFF>();
@@ -18,33 +18,29 @@ using Widened5Tiles = FormatTiles<8, G, ST, OFF>;
 #elif defined(DI_WIDEN5)  // AVX2 without VNNI: tile_wide<5> reads them (quant_tile_avx2.h)
 #ifndef DI_WIDE5_TILE
 #define DI_WIDE5_TILE 3
-// 8-bit records whose quants are all below 64 (GGUF Q6_K): tile_wide<6> multiplies them unsigned, without the sign
-// flip (quant_tile_avx2.h); -DDI_SMALL8_TILES=0 reads them as any 8-bit records (benchmarks/quant_linear_rows.py)
+#endif
+// tile_wide over byte records (quant_tile_avx2.h): BITS 5, widen5's; BITS 6, 8-bit records whose quants are all below
+// 64 (GGUF Q6_K), multiplied unsigned without the sign flip
+template <int BITS, int G, typename ST, int OFF>
+struct ByteTiles {
+  static constexpr int kRows = DI_WIDE5_TILE;
+  template <int MT>
+  static void run(const uint8_t* qr, const ST* sr, const ST* orr, float c, int64_t ng, const int8_t* xq,
+                  const float* xd, const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
+    tile_wide<MT, BITS, G, ST, OFF>(qr, sr, orr, c, ng, xq, xd, xs, xt, K, out, ldo);
+  }
+};
+template <int G, typename ST, int OFF>
+using Widened5Tiles = ByteTiles<5, G, ST, OFF>;
+// -DDI_SMALL8_TILES=0 reads Q6_K's records as any 8-bit records (benchmarks/quant_linear_rows.py compares)
 #ifndef DI_SMALL8_TILES
 #define DI_SMALL8_TILES 1
 #endif
 #if DI_SMALL8_TILES
 #define DI_SMALL8 1
-#endif
 template <int G, typename ST, int OFF>
-struct Small8Tiles {
-  static constexpr int kRows = DI_WIDE5_TILE;
-  template <int MT>
-  static void run(const uint8_t* qr, const ST* sr, const ST* orr, float c, int64_t ng, const int8_t* xq,
-                  const float* xd, const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
-    tile_wide<MT, 6, G, ST, OFF>(qr, sr, orr, c, ng, xq, xd, xs, xt, K, out, ldo);
-  }
-};
+using Small8Tiles = ByteTiles<6, G, ST, OFF>;
 #endif
-template <int G, typename ST, int OFF>
-struct Widened5Tiles {
-  static constexpr int kRows = DI_WIDE5_TILE;
-  template <int MT>
-  static void run(const uint8_t* qr, const ST* sr, const ST* orr, float c, int64_t ng, const int8_t* xq,
-                  const float* xd, const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
-    tile_wide<MT, 5, G, ST, OFF>(qr, sr, orr, c, ng, xq, xd, xs, xt, K, out, ldo);
-  }
-};
 #endif
 
 // The M rows of one block of 16 outputs (its records at qr): tiles of Tiles::kRows rows (kMaxTile, or 3 for AVX2's

@@ -129,35 +129,17 @@ inline void widen5(const uint8_t* q, int64_t ng, uint8_t* out) {
   }
 }
 
-template <int MT>
-inline void group_sums5w(const uint8_t* rec, const int8_t* xq, int64_t K, __m256i (&isum)[MT][2]) {
+// Small byte quants multiplied unsigned, without the sign flip: the products of PW pieces of 8 values (2 maddubs into
+// each int16 sum per piece) add up in int16 before each widening. PW 2 for quants <= 31 (a pair of products <= 7874,
+// 4 of them <= 31496: widen5's bytes), 1 for quants <= 63 (<= 16002, 2 of them <= 32004: GGUF Q6_K's 8-bit records).
+// The weights go two registers at a time so that 3 rows' int16 and int32 sums stay in registers.
+template <int MT, int G, int PW>
+inline void group_sums_bytes(const uint8_t* rec, const int8_t* xq, int64_t K, __m256i (&isum)[MT][2]) {
   for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
-  for (int p0 = 0; p0 < 4; p0 += 2) {
+  for (int p0 = 0; p0 < G / 8; p0 += PW) {
     __m256i s16[MT][2];
     for (int m = 0; m < MT; ++m) s16[m][0] = s16[m][1] = _mm256_setzero_si256();
-    for (int r = 2 * p0; r < 2 * p0 + 4; ++r) {  // 8-bit pieces: k = 4r..4r+3
-      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * r));
-      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * r + 32));
-      for (int m = 0; m < MT; ++m) {
-        const __m256i x = _mm256_set1_epi32(load_i32(xq + m * K + 4 * r));
-        s16[m][0] = _mm256_add_epi16(s16[m][0], _mm256_maddubs_epi16(w0, x));
-        s16[m][1] = _mm256_add_epi16(s16[m][1], _mm256_maddubs_epi16(w1, x));
-      }
-    }
-    for (int m = 0; m < MT; ++m)
-      for (int h = 0; h < 2; ++h) isum[m][h] = _mm256_add_epi32(isum[m][h], widen16(s16[m][h]));
-  }
-}
-
-// 8-bit records whose quants are all below 64 (GGUF Q6_K's), multiplied unsigned without the sign flip: a pair of
-// products is at most 16002, so one piece's products (2 maddubs, <= 32004) add up in int16 before each widening.
-template <int MT, int G>
-inline void group_sums6(const uint8_t* rec, const int8_t* xq, int64_t K, __m256i (&isum)[MT][2]) {
-  for (int m = 0; m < MT; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
-  for (int p = 0; p < G / 8; ++p) {
-    __m256i s16[MT][2];
-    for (int m = 0; m < MT; ++m) s16[m][0] = s16[m][1] = _mm256_setzero_si256();
-    for (int r = 2 * p; r < 2 * p + 2; ++r) {  // 8-bit pieces: k = 4r..4r+3
+    for (int r = 2 * p0; r < 2 * (p0 + PW); ++r) {  // 8-bit pieces: k = 4r..4r+3
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * r));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * r + 32));
       for (int m = 0; m < MT; ++m) {
@@ -188,8 +170,8 @@ void tile_wide(const uint8_t* q, const ST* s, const ST* o, float c, int64_t ng, 
     prefetch_ahead<QB>(rec, s + g * 16, OFF == kStored ? o + g * 16 : nullptr);
     __m256i isum[MT][2];
     if constexpr (BITS == 4) group_sums4<MT>(rec, xq + k0, K, isum);
-    else if constexpr (BITS == 5) group_sums5w<MT>(rec, xq + k0, K, isum);
-    else if constexpr (BITS == 6) group_sums6<MT, G>(rec, xq + k0, K, isum);
+    else if constexpr (BITS == 5) group_sums_bytes<MT, G, 2>(rec, xq + k0, K, isum);
+    else if constexpr (BITS == 6) group_sums_bytes<MT, G, 1>(rec, xq + k0, K, isum);
     else group_sums8<MT, G>(rec, xq + k0, K, isum);
     for (int h = 0; h < 2; ++h) {
       const __m256 sv = load8(s + g * 16 + 8 * h);
