@@ -190,8 +190,7 @@ void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, int32_t* xs,
 
 namespace {
 
-#include "block_tiles.h"  // FormatTiles, Widened5Tiles, block_tiles
-
+#include "block_tiles.h"  // FormatTiles, ByteTiles (Widened5Tiles, Small8Tiles), block_tiles
 
 // 5-bit blocks with many rows: the block's records widened once (widen5), then tiles over the widened records
 // (Widened5Tiles: AVX-512's 8-bit tiles; AVX2 without VNNI, tile_wide<5>). The same integer sums and the same float

@@ -1,6 +1,6 @@
 // Part of quant_linear.cpp, included there inside its anonymous namespace when the build has AVX2 but not
 // AVX-512 VNNI: tile() for AVX2, with AVX-VNNI's dpbusd or with maddubs; without VNNI also tile_wide (16 lanes a
-// pass) and widen5 (5-bit records as bytes, for many rows). They use load_i32, group_xsum, group_term and
+// pass; byte records of small quants without the sign flip) and widen5 (5-bit records as bytes, for many rows). They use load_i32, group_xsum, group_term and
 // prefetch_ahead from quant_linear.cpp and follow the record layout and arithmetic described at its top.
 template <typename ST> inline __m256 load8(const ST* p);
 template <> inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
@@ -111,9 +111,7 @@ inline void group_sums8(const uint8_t* rec, const int8_t* xq, int64_t K, __m256i
 }
 
 // 5-bit records with many rows: widen5 writes a block's records once as bytes 0..31 in the 8-bit layout, and
-// tile_wide<5> reads those (no unpacking per tile). A 5-bit pair of products is at most 7874, so two pieces' products
-// (4 maddubs, <= 31496) add up in int16 before each widening; the weights go two registers at a time so that 3 rows'
-// int16 and int32 sums stay in registers.
+// tile_wide<5> reads those (no unpacking per tile; group_sums_bytes below has the bounds).
 #define DI_WIDEN5 1
 inline void widen5(const uint8_t* q, int64_t ng, uint8_t* out) {
   for (int64_t g = 0; g < ng; ++g, q += 320, out += 512) {
