@@ -32,6 +32,8 @@
 #include "kernels.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
+
+#include "bit_bytes_avx2.h"
 #endif
 
 namespace {

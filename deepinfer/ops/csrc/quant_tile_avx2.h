@@ -20,14 +20,8 @@ inline __m256i widen16(__m256i s16) { return _mm256_madd_epi16(s16, _mm256_set1_
 #endif
 
 // 32 fifth bits of a 5-bit record (the bytes of one half of a register of nibbles) as 16 in each byte whose bit is
-// set: byte i takes mask byte i / 8 (a shuffle within each 128-bit lane) and tests bit i % 8.
-inline __m256i fifth_bits(const uint8_t* p) {
-  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(load_i32(reinterpret_cast<const int8_t*>(p))), spread);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(16));
-}
+// set (bit_bytes_avx2.h).
+inline __m256i fifth_bits(const uint8_t* p) { return bit_bytes(p, 16); }
 
 // Piece p of 8 lanes of a 4- or 5-bit group record as the bytes of the 8-bit layout's pieces 2p (lo) and 2p + 1 (hi):
 // the nibbles, + 16 where a 5-bit record's fifth bit is set (fifth: the lanes' bits after the nibbles).

@@ -26,6 +26,8 @@
 #include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
+
+#include "bit_bytes_avx2.h"
 #endif
 
 #include "argmax_blocks.h"

@@ -86,16 +86,8 @@ void widen(const SplitView& w, int64_t b, uint8_t* out) {
   }
 #elif defined(__AVX2__)
   // per 32 bytes of a register: the nibbles, then + 16 where the fifth bit is set, times 8, + 2^t where low plane t's
-  // bit is set (each a byte per bit: quant_tile_avx2.h's fifth_bits for any byte value)
-  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL)), nibble = _mm256_set1_epi8(0x0F);
-  auto bytes_of = [&](const uint8_t* p, char value) {  // the 32 bits at p (bit i: byte i) as bytes value or 0
-    int32_t m;
-    std::memcpy(&m, p, 4);
-    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(m), spread);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(value));
-  };
+  // bit is set (each a byte per bit: bit_bytes_avx2.h)
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < w.ng; ++g, h += kHigh, l += kLow, out += kWide) {
     prefetch_planes(h, l);
     for (int p = 0; p < 4; ++p)
@@ -104,9 +96,9 @@ void widen(const SplitView& w, int64_t b, uint8_t* out) {
         const __m256i nib[2] = {_mm256_and_si256(v, nibble), _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble)};
         for (int s = 0; s < 2; ++s) {
           const int r = 2 * p + s;
-          __m256i u = _mm256_or_si256(nib[s], bytes_of(h + 256 + 16 * p + 8 * s + 4 * half, 16));
+          __m256i u = _mm256_or_si256(nib[s], bit_bytes(h + 256 + 16 * p + 8 * s + 4 * half, 16));
           u = _mm256_slli_epi16(u, 3);  // bytes <= 31: no bit crosses into the next byte
-          for (int t = 0; t < 3; ++t) u = _mm256_or_si256(u, bytes_of(l + 24 * r + 8 * t + 4 * half, (char)(1 << t)));
+          for (int t = 0; t < 3; ++t) u = _mm256_or_si256(u, bit_bytes(l + 24 * r + 8 * t + 4 * half, (char)(1 << t)));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * r + 32 * half), u);
         }
       }
