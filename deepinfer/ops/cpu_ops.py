@@ -87,12 +87,22 @@ def build(name: str, flags: list[str], csrc: str | None = None) -> ModuleType:
                           verbose=False)
 
 
+def native_equals(isa: str, cpu_flags: set[str]) -> bool:
+    """Whether `isa`'s flags only switch off what this CPU lacks, so they compile what -march=native does: AVX2 on a
+    CPU without AVX-512 and AVX-VNNI, AVX2 with AVX-VNNI on one that has AVX-VNNI but not AVX-512."""
+    if "avx512f" in cpu_flags or not {"avx2", "fma", "f16c"} <= cpu_flags:
+        return False
+    return (isa == "avx2" and "avx_vnni" not in cpu_flags) or (isa == "avx2-vnni" and "avx_vnni" in cpu_flags)
+
+
 @functools.lru_cache(maxsize=None)
 def load(isa: str = "native") -> ModuleType | None:
     """The compiled ops for `isa` (see ISA_FLAGS), built on first use; None if they cannot be built here (callers
     then use torch ops: dequantized float32 weights for quantized layers)."""
     if isa not in ISA_FLAGS:
         raise ValueError(f"isa must be one of {sorted(ISA_FLAGS)}, got {isa!r}")
+    if isa != "native" and native_equals(isa, cpu_isa_flags()):
+        return load("native")  # the same flags on this CPU: the same code, so one build (~50 s on 2 cores) less
     tag = torch.backends.cpu.get_cpu_capability().lower() + ("" if isa == "native" else "_" + isa.replace("-", ""))
     try:
         return build(f"deepinfer_cpu_ops_{tag}", ISA_FLAGS[isa])

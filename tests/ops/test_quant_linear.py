@@ -211,3 +211,16 @@ def test_8bit_records_of_small_quants_go_as_bits_6_and_give_the_8bit_bits(kernel
     assert torch.equal(ql.linear(kernels, x, packed).view(torch.int32), as_8bit.view(torch.int32))
     int8 = ql.pack(ql.quantize_int8(np.random.default_rng(9).standard_normal((40, k)).astype(np.float32)))
     assert int8.op_args[3] == 8
+
+
+def test_a_lower_build_with_the_native_flags_is_the_native_build():
+    """load(isa) reuses the native build where isa only switches off what the CPU lacks (one ~50 s build less);
+    everywhere else it is a build of its own."""
+    avx2 = {"avx2", "fma", "f16c"}
+    assert cpu_ops.native_equals("avx2", avx2) and not cpu_ops.native_equals("avx2-vnni", avx2)
+    vnni = avx2 | {"avx_vnni"}
+    assert cpu_ops.native_equals("avx2-vnni", vnni) and not cpu_ops.native_equals("avx2", vnni)
+    assert not any(cpu_ops.native_equals(isa, avx2 | {"avx512f", "avx_vnni"}) for isa in ("avx2", "avx2-vnni"))
+    assert not any(cpu_ops.native_equals(isa, flags) for isa in ("generic", "avx2") for flags in (set(), {"avx2"}))
+    if cpu_ops.native_equals("avx2", cpu_ops.cpu_isa_flags()):
+        assert cpu_ops.load("avx2") is cpu_ops.load()
