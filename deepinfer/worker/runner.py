@@ -12,6 +12,7 @@ from deepinfer.config import SpecConfig
 from deepinfer.core.kv_layout import KVCacheSpec, KVLayout, layout_from_specs
 from deepinfer.core.plan import StepPlan, StepResult
 from deepinfer.layers.context import ForwardContext, forward_context
+from deepinfer.ops.huge_pages import lazy_zeros
 from deepinfer.sample.logprobs import compute_prompt_logprobs
 from deepinfer.sample.prob_order import ProbOrderOps
 from deepinfer.sample.sampler import Sampler
@@ -72,15 +73,14 @@ class ModelRunner:
         specs = model.kv_cache_specs()
         self.layout = layout or layout_from_specs(specs)
         # one K and one V tensor per slot; the layers in the same slot of different groups share them
-        self.slot_caches = [
-            (
-                torch.zeros(num_blocks * block_size, specs[i].num_kv_heads, specs[i].head_dim, dtype=dtype,
-                            device=self.device),
-                torch.zeros(num_blocks * block_size, specs[i].num_kv_heads, specs[i].v_head_dim, dtype=dtype,
-                            device=self.device),
-            )
-            for i in self.layout.groups[0].layers
-        ]
+        shapes = [shape for i in self.layout.groups[0].layers
+                  for shape in ((num_blocks * block_size, specs[i].num_kv_heads, specs[i].head_dim),
+                                (num_blocks * block_size, specs[i].num_kv_heads, specs[i].v_head_dim))]
+        if self.device.type == "cpu":  # zero pages as they are first touched (ops/huge_pages.py)
+            flat = lazy_zeros(shapes, dtype)
+        else:
+            flat = [torch.zeros(shape, dtype=dtype, device=self.device) for shape in shapes]
+        self.slot_caches = [(flat[j], flat[j + 1]) for j in range(0, len(flat), 2)]
         self._placement = self.layout.placement(len(specs))
         self.kv_caches = [self.slot_caches[slot] for _, slot in self._placement]  # per attention layer
         on_cpu = cpu_kernels is not None and self.device.type == "cpu"

@@ -77,3 +77,35 @@ def test_a_kernel_without_huge_pages_still_gets_the_tensors_moved(monkeypatch):
     t = torch.arange(100, dtype=torch.int32)
     report = huge_pages.move_to_huge_pages([t])
     assert report.tensors == 1 and torch.equal(t, torch.arange(100, dtype=torch.int32))
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_lazy_zeros_are_zeros_on_cache_lines_and_resident_only_once_touched():
+    shapes = [(4096, 8, 1024), (3, 5, 7), (10, 2, 0), (4096, 8, 1024)]  # 2 x 64 MiB of bfloat16, odd and empty ones
+    before = _resident_bytes()
+    tensors = huge_pages.lazy_zeros(shapes, torch.bfloat16)
+    assert _resident_bytes() - before < 16 << 20  # nothing written: 128 MiB of zeros cost no resident memory
+    assert [t.shape for t in tensors] == [torch.Size(s) for s in shapes]
+    assert all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.data_ptr() % 64 == 0 for t in tensors)
+    assert all(not t.any() for t in tensors)  # reading zero pages maps the shared zero page: still not resident
+    tensors[0][17].fill_(1.5)
+    tensors[3].fill_(2.0)  # the last one's pages, all of them, are now resident
+    assert _resident_bytes() - before >= 60 << 20
+    assert tensors[0].sum().item() == 1.5 * 8 * 1024 and tensors[1].sum().item() == 0
+    assert tensors[3].min().item() == 2.0 and not tensors[1].any()
+
+
+def test_the_engine_kv_cache_is_not_resident_until_used():
+    """The KV cache (worker/runner.py) in lazily zeroed pages: a 1 GiB budget does not make the process 1 GiB larger
+    at start-up, and the engine serves from it."""
+    from deepinfer import LLM, SamplingParams
+
+    before = _resident_bytes()
+    llm = LLM(kv_cache_memory=1 << 30)
+    assert _resident_bytes() - before < 700 << 20  # the model itself (~0.5 GiB with its tokenizer), not the 1 GiB
+    out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
