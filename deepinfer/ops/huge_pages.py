@@ -10,8 +10,8 @@ program asks (madvise(MADV_HUGEPAGE)), which is what this does; `never` leaves 4
 The packed quantized weights go here (transforms/quantize.py). End to end, the same requests alternating with the
 weights on 4 KiB pages in one process: SmolLM2 batch 1 1.06x and 1.12x (paired medians of 10 rounds), batch 64
 1.02x and 0.99x; Gemma 3 batch 1 0.97x and 0.98x (its step is mostly the 178 MB head, which already streamed at the
-bandwidth with its software prefetches), batch 64 1.01x. KV caches stay on torch's pages: in huge pages they
-measured 0.99-1.01x at batch 64 and 1.00x at 16 x 1,024 tokens, not worth a second allocator.
+bandwidth with its software prefetches), batch 64 1.01x. KV caches stay on 4 KiB pages (lazy_zeros, not advised):
+in huge pages they measured 0.99-1.01x at batch 64 and 1.00x at 16 x 1,024 tokens.
 """
 from __future__ import annotations
 
@@ -105,7 +105,6 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> ArenaReport:
         view.copy_(t)
         t.set_(view)
     return ArenaReport(len(tensors), sum(sizes), _huge_bytes(base.data_ptr() + skip), mode)
-
 
 
 def lazy_zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
