@@ -44,19 +44,19 @@ def hidden_rows(llm, max_tokens: int) -> torch.Tensor:
 
 def head_blocks(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(u, d): a GGUF file's Q8_0 head (output.weight, else the tied token_embd.weight) as quants 0..255
-    [V, K/32, 32] and scales [V, K/32]."""
+    [V, K/32, 32] and scales [V, K/32], read by the loader's own block conversion (models/gguf_blocks.py)."""
     import gguf
     import numpy as np
 
+    from deepinfer.models.gguf_blocks import QType, canonical
+
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     head = tensors.get("output.weight") or tensors["token_embd.weight"]
-    if head.tensor_type != gguf.GGMLQuantizationType.Q8_0:
+    if head.tensor_type != QType.Q8_0:
         raise SystemExit(f"{head.name} is {head.tensor_type.name}: this probe reads Q8_0 heads")
-    vocab = int(head.shape[1])
-    raw = np.array(head.data).reshape(-1, 34)  # a block: float16 d, then 32 int8
-    d = torch.from_numpy(raw[:, :2].copy().view(np.float16).astype(np.float64)).view(vocab, -1)
-    q = torch.from_numpy(raw[:, 2:].copy().view(np.int8)).view(vocab, -1, 32).to(torch.int32)
-    return q + 128, d
+    k, vocab = (int(n) for n in head.shape)
+    c = canonical(QType.Q8_0, np.array(head.data), (vocab, k))
+    return torch.from_numpy(c.u).to(torch.int32).view(vocab, -1, 32), torch.from_numpy(c.scales).double()
 
 
 def main(argv: list[str] | None = None) -> None:
