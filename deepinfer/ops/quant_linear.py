@@ -83,6 +83,7 @@ class PackedWeight:
     quants: torch.Tensor  # uint8 [n_pad / 16, k / group, record bytes]
     scales: torch.Tensor  # float16 / float32 [n_pad / 16, k / group, 16]
     offsets: torch.Tensor  # same; empty for symmetric formats; a table format's 16 values (uint8)
+    small: bool = False  # 8-bit records whose quants are all below 64 (GGUF Q6_K's), found by pack()
 
     @property
     def nbytes(self) -> int:
@@ -97,9 +98,7 @@ class PackedWeight:
         """The kernel's weight arguments, looked up once: a decode step calls the kernel 121 times (SmolLM2). 8-bit
         records whose quants are all below 64 (GGUF Q6_K's) go as bits 6: AVX2 without VNNI multiplies them unsigned,
         without the sign flip a full byte needs (csrc/quant_tile_avx2.h); the other builds read them as 8-bit."""
-        bits = self.fmt.bits
-        if bits == 8 and self.fmt.table is None and self.quants.numel() and int(self.quants.max()) < 64:
-            bits = 6
+        bits = 6 if self.small else self.fmt.bits
         return (self.quants, self.scales, self.offsets, bits, self.fmt.group, float(self.fmt.c), self.n)
 
 
@@ -167,7 +166,9 @@ def pack(w: Canonical) -> PackedWeight:
         offsets = torch.tensor(fmt.table, dtype=torch.uint8)
     else:
         offsets = lanes(w.offsets) if w.offsets is not None else torch.empty(0, dtype=torch.float32)
-    return PackedWeight(fmt, n, k, torch.from_numpy(quants), lanes(w.scales), offsets)
+    # found here, while u is at hand, not by a scan of the packed quants on the first step
+    small = fmt.bits == 8 and fmt.table is None and w.u.size > 0 and int(w.u.max()) < 64
+    return PackedWeight(fmt, n, k, torch.from_numpy(quants), lanes(w.scales), offsets, small)
 
 
 INT8 = QuantFormat(8, 32, "float16", False, -128)
