@@ -78,7 +78,8 @@ class Engine:
             max_len = capacity
         self.max_model_len = max_len
         self.num_blocks = num_blocks
-        amx = "|amx-prefill" if self.executor.amx_prefill else ""  # prompt KV from AMX tiles: other bits, other keys
+        # prompt KV from AMX tiles (linear layers and, since stop 62, attention): other bits, other keys
+        amx = "|amx-prefill+attn" if self.executor.amx_prefill else ""
         model_key = model_identity(files.path, files.hf_config, f"{self.compute.name}|kv:{self.compute.cache_dtype}{amx}",
                                    config.batch_invariant)
         spec = config.spec

@@ -91,6 +91,7 @@ class Attention(nn.Module):
         if ctx.batch_invariant:
             return self._batch_invariant(q, k_cache, v_cache, md, kernels).reshape(q.shape[0], -1)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
+        tiled = self._prompt_tiles(q, k_cache, v_cache, md, kernels, out)
         nd = md.num_decodes
         if nd and kernels is not None:
             out[:nd] = kernels.paged_decode(q[:nd].contiguous(), k_cache, v_cache, md.decode_block_tables,
@@ -102,6 +103,8 @@ class Attention(nn.Module):
             out[start:end] = self._decode(q[start:end], k_cache, v_cache, tables, md.decode_context_lens[start:end],
                                           md.block_size)
         for seq in md.prefills:
+            if self._rest_after_tiles(seq, tiled.get(seq.start, 0), q, k_cache, v_cache, md, kernels, out):
+                continue
             rows = slice(seq.start, seq.start + seq.num_tokens)
             if kernels is not None and paged_prefill_takes(seq.context_len, seq.num_tokens, self.sliding_window):
                 out[rows] = kernels.paged_prefill(q[rows].contiguous(), k_cache, v_cache, seq.block_table,
@@ -129,16 +132,51 @@ class Attention(nn.Module):
             return paged_attention(self, q, k_cache, v_cache, md)
         q = q.contiguous()
         out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
+        tiled = self._prompt_tiles(q, k_cache, v_cache, md, kernels, out)
         window = self.sliding_window or -1
         nd = md.num_decodes
         if nd:
             out[:nd] = kernels.paged_decode(q[:nd], k_cache, v_cache, md.decode_block_tables, md.decode_context_lens,
                                             md.block_size, self.scale, window)
         for seq in md.prefills:
+            if self._rest_after_tiles(seq, tiled.get(seq.start, 0), q, k_cache, v_cache, md, kernels, out):
+                continue
             rows = slice(seq.start, seq.start + seq.num_tokens)
             out[rows] = kernels.paged_prefill(q[rows], k_cache, v_cache, seq.block_table,
                                               seq.context_len - seq.num_tokens, md.block_size, self.scale, window)
         return out
+
+    def _prompt_tiles(self, q, k_cache, v_cache, md, kernels, out) -> dict[int, int]:
+        """Each prefill chunk's rows at prompt positions (ForwardContext.prompt_runs: set where the linear layers
+        compute them on AMX tiles) attend on AMX tiles too (csrc/amx_attention.cpp; a bfloat16 cache): a row's kernel
+        follows from its position, as the linear layers' does, so its bits do not depend on its chunk. Returns how
+        many leading rows of each chunk (by its first row) went there."""
+        runs = get_forward_context().prompt_runs
+        if not runs or kernels is None or k_cache.dtype != torch.bfloat16 or not hasattr(kernels, "amx_attention"):
+            return {}
+        tiled = {}
+        for seq in md.prefills:
+            n = next((min(end, seq.start + seq.num_tokens) - seq.start for start, end in runs
+                      if start <= seq.start < end), 0)
+            if n:
+                rows = slice(seq.start, seq.start + n)
+                out[rows] = kernels.amx_attention(q[rows].contiguous(), k_cache, v_cache, seq.block_table,
+                                                  seq.context_len - seq.num_tokens, md.block_size, self.scale,
+                                                  self.sliding_window or -1)
+                tiled[seq.start] = n
+        return tiled
+
+    def _rest_after_tiles(self, seq, n, q, k_cache, v_cache, md, kernels, out) -> bool:
+        """Whether a chunk is done once its first n rows went to the tiles: True when n covers it, or after its
+        remaining rows (generated tokens recomputed after a preemption) took the per-query kernel; False: none went."""
+        if n == 0:
+            return False
+        if n < seq.num_tokens:
+            rows = slice(seq.start + n, seq.start + seq.num_tokens)
+            out[rows] = kernels.paged_prefill(q[rows].contiguous(), k_cache, v_cache, seq.block_table,
+                                              seq.context_len - seq.num_tokens + n, md.block_size, self.scale,
+                                              self.sliding_window or -1)
+        return True
 
     def _decode(self, q, k_cache, v_cache, block_tables, context_lens, block_size):
         if self.sliding_window is not None:  # skip the leading blocks no row's window reaches

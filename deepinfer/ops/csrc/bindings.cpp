@@ -52,6 +52,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "tile from its blocks), float32 sums in k order (a row's bits do not depend on the batch)", py::arg("x"),
         py::arg("quants"), py::arg("scales"), py::arg("offsets"), py::arg("bits"), py::arg("group"), py::arg("c"),
         py::arg("n"), py::arg("bias") = py::none(), nogil);
+  m.def("amx_attention", &amx_attention, "one sequence's consecutive queries against its bfloat16 cache on AMX "
+        "tiles: queries and probabilities rounded to bfloat16, 32-key blocks fixed by position (a query's bits do "
+        "not depend on its chunk)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("table"),
+        py::arg("first_position"), py::arg("block_size"), py::arg("scale"), py::arg("window"), nogil);
   m.def("amx_bf16_available", &amx_ready,
         "whether this build has the AMX-BF16 kernel and the OS granted this process AMX tile state");
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())  // one per ISA build in a process

@@ -115,6 +115,30 @@ float DecodeStack::eps(size_t layer, Norm which) const {
   return i < 0 ? 0.f : (float)eps_[i];
 }
 
+// Rows P..T-1 (prompt rows) as runs of consecutive positions of one sequence: row n + 1 continues row n's run where
+// its position is the next one and its table starts with the same blocks.
+static std::vector<AmxAttnRun> prompt_runs(const torch::Tensor& tables, const torch::Tensor& lens, int64_t P,
+                                           int64_t T, int64_t block_size) {
+  const int64_t *tb = tables.data_ptr<int64_t>(), *ln = lens.data_ptr<int64_t>(), width = tables.size(1);
+  std::vector<AmxAttnRun> runs;
+  for (int64_t n = P; n < T; ++n) {
+    const int64_t* row = tb + n * width;
+    if (!runs.empty()) {
+      AmxAttnRun& r = runs.back();
+      const int64_t blocks = (ln[n] + block_size - 1) / block_size;
+      if (ln[n] == r.pos0 + r.count + 1 && std::equal(row, row + blocks, r.table)) {
+        ++r.count;
+        r.table = row;  // the last row's table covers every row's blocks
+        continue;
+      }
+    }
+    AmxAttnRun r;
+    r.row0 = n, r.count = 1, r.pos0 = ln[n] - 1, r.table = row;
+    runs.push_back(r);
+  }
+  return runs;
+}
+
 torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std::vector<torch::Tensor> slots,
                                    std::vector<torch::Tensor> tables, std::vector<torch::Tensor> lens,
                                    int64_t block_size, int64_t tile_from, c10::optional<torch::Tensor> hidden,
@@ -185,14 +209,25 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
   std::vector<uint16_t> xb(TM > 0 ? ((TM + 15) / 16 * 16) * kmax : 0, 0);
   const int threads = at::get_num_threads();
   std::vector<DecodeAttention> plans;
-  int64_t scratch = 0;
+  std::vector<AmxAttention> tile_plans;  // per layer where its prompt rows (P..) attend on AMX tiles, else empty
+  int64_t scratch = 0, room = 0;
   for (size_t l = 0; l < L; ++l) {
     const auto g = groups_[l];
-    plans.push_back(decode_attention(qc.data_ptr<float>(), k_caches_[l], v_caches_[l], F, heads_,
+    const bool tiled = TM > 0 && amx_attention_built() && k_caches_[l].scalar_type() == torch::kBFloat16;
+    plans.push_back(decode_attention(qc.data_ptr<float>(), k_caches_[l], v_caches_[l], tiled ? P : F, heads_,
                                      tables[g].data_ptr<int64_t>(), tables[g].size(1), lens[g].data_ptr<int64_t>(),
                                      block_size, scale_, windows_[l], att.data_ptr<float>(), threads));
     scratch = std::max(scratch, decode_scratch(plans.back()));
+    tile_plans.emplace_back();
+    if (tiled) {
+      tile_plans.back() = amx_attention_plan(qc.data_ptr<float>(), qs, k_caches_[l], v_caches_[l], heads_,
+                                             prompt_runs(tables[g], lens[g], P, T, block_size), block_size, scale_,
+                                             windows_[l], att.data_ptr<float>(), qs);
+      room = std::max(room, tile_plans.back().room);
+    }
   }
+  std::vector<uint16_t> tile_room(room > 0 ? room + 32 : 0);  // one room for every layer's prepared tiles, in turn
+  for (AmxAttention& a : tile_plans) a.tiles = room > 0 ? amx_aligned64(tile_room.data()) : nullptr;
   // whole cache lines per thread: a line shared by two threads' scratch (one's running max and sum, the other's
   // scores) went back and forth between the cores on every block
   scratch = (scratch + 15) / 16 * 16;
@@ -294,6 +329,13 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
       {  // this thread's contiguous range of items in one call: each item's last block asks for the next one's first
         const auto [i0, i1] = share(decode_items(plans[l]));
         decode_item_range(plans[l], i0, i1, my_scratch);
+      }
+      if (tile_plans[l].items > 0) {  // prompt rows: their keys and values as tiles, then their queries
+        const auto [j0, j1] = share(tile_plans[l].prep_items);
+        amx_attention_prepare(tile_plans[l], j0, j1);
+#pragma omp barrier
+        const auto [k0, k1] = share(tile_plans[l].items);
+        amx_attention_items(tile_plans[l], k0, k1);
       }
 #pragma omp barrier
 #pragma omp for schedule(static)

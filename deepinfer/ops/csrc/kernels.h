@@ -47,6 +47,37 @@ void amx_round_row(const float* x, int64_t K, uint16_t* a);  // x [K] -> bfloat1
 int64_t amx_num_items(int64_t M, int64_t nb, int64_t K);
 void amx_items(const uint16_t* a, const QuantView& w, float* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                const float* bias, int64_t begin, int64_t end);
+// amx_attention.cpp: prompt rows' attention on AMX tiles (bfloat16 cache only). A run is consecutive queries of one
+// sequence: rows row0..row0+count-1 of q / out at positions pos0.., one block table; the plan fills the rest. Two
+// passes, each split into items among the threads: amx_attention_prepare (the keys and values as tiles, into the
+// caller's `tiles`), then, on threads with the tiles configured, amx_attention_items.
+struct AmxAttnRun {
+  int64_t row0 = 0, count = 0, pos0 = 0;
+  const int64_t* table = nullptr;
+  int64_t kb0 = 0, nkb = 0, prep0 = 0, item0 = 0, offset = 0;  // key blocks kb0.., first items, offset in the room
+};
+struct AmxAttention {
+  const float* q = nullptr;  // row t, head hq at q + t * q_stride + hq * dim
+  int64_t q_stride = 0;
+  float* out = nullptr;
+  int64_t out_stride = 0;
+  const uint16_t* k_cache = nullptr;  // bfloat16 bits [slots, kv_heads, dim]
+  const uint16_t* v_cache = nullptr;
+  int64_t heads = 0, kv_heads = 0, dim = 0, block_size = 0, window = -1;
+  float scale = 1.f;
+  std::vector<AmxAttnRun> runs;
+  int64_t prep_items = 0, items = 0;
+  int64_t room = 0;           // uint16 values the prepared tiles take
+  uint16_t* tiles = nullptr;  // where they go (64-byte aligned, room values): set by the caller before preparing
+};
+AmxAttention amx_attention_plan(const float* q, int64_t q_stride, const torch::Tensor& k_cache,
+                                const torch::Tensor& v_cache, int64_t heads, std::vector<AmxAttnRun> runs,
+                                int64_t block_size, double scale, int64_t window, float* out, int64_t out_stride);
+void amx_attention_prepare(const AmxAttention& a, int64_t begin, int64_t end);
+void amx_attention_items(const AmxAttention& a, int64_t begin, int64_t end);
+bool amx_attention_built();
+// the first 64-byte boundary in p (a room of room + 32 values holds room values from there)
+inline uint16_t* amx_aligned64(uint16_t* p) { return p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64 / 2; }
 
 // layer_ops.cpp: one row each.
 // out = x / sqrt(mean(x^2) + eps) * wo; with res: res += x first and the norm is of the sum (wo = weight + offset)

@@ -38,6 +38,9 @@ torch::Tensor quant_linear_argmax(torch::Tensor x, torch::Tensor quants, torch::
                                   int64_t bits, int64_t group, double c, int64_t n);
 // amx_linear.cpp: many rows on AMX tiles against a quantized weight dequantized to bfloat16 as it goes (quant_linear's
 // weight arguments; throws where the build has no AMX)
+// amx_attention.cpp: one prefill chunk's attention on AMX tiles (prompt rows; a bfloat16 cache)
+torch::Tensor amx_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
+                            int64_t first_position, int64_t block_size, double scale, int64_t window);
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
                          int64_t bits, int64_t group, double c, int64_t n, c10::optional<torch::Tensor> bias);
 // split_head.cpp: an 8-bit symmetric LM head stored as a 5-bit high plane and 3 low bit planes
