@@ -11,7 +11,11 @@ import sys
 import pytest
 
 SCRIPT = r"""
-import json, resource, sys, torch
+import ctypes, json, resource, sys
+# 4 KiB pages for this process, whatever the machine's transparent huge pages policy: with `always`, glibc's
+# default mmap of the logits was sometimes backed by huge pages and faulted 1-2 times a step (seen at stop 62)
+ctypes.CDLL(None, use_errno=True).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
+import torch
 from deepinfer import SamplingParams
 from deepinfer.llm import LLM
 torch.set_num_threads(2)

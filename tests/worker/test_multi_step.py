@@ -45,8 +45,10 @@ def test_same_tokens_as_one_step_at_a_time(tiny, quantization):
     assert multi.engine.step_times.steps < 0.6 * one.engine.step_times.steps  # the runs did run ahead
     # the blocks the runs filled and the prefix cache kept hold the real tokens' KV: continuing from them gives
     # what an engine without the cache gives (a cache large enough to keep them)
-    roomy, cold = engine(tiny, 5, quantization, 4 << 20), engine(tiny, 1, quantization, 4 << 20,
-                                                                 enable_prefix_caching=False)
+    # (prompt rows on AMX tiles off: there a prefix hit on generated blocks differs from computing them as prompt,
+    # as the README says; the first part above runs with them wherever the CPU has AMX)
+    roomy = engine(tiny, 5, quantization, 4 << 20, amx_prefill=False)
+    cold = engine(tiny, 1, quantization, 4 << 20, enable_prefix_caching=False, amx_prefill=False)
     first = tokens(roomy, greedy)
     assert first == tokens(cold, greedy)
     continued = [p + out for p, out in zip(PROMPTS, first)]
