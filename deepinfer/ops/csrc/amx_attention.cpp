@@ -4,10 +4,11 @@
 // A query at position p attends to keys lo..p (lo = max(0, p - window + 1) with a window, else 0) in blocks of 32
 // keys fixed by position (block j: keys 32j..32j+31), in block order, with an online softmax: per block the scores
 // s = (q . k) * scale of its visible keys, m' = max(m, max s), the probabilities exp(s - m') rounded to bfloat16, the
-// running sum l' = l * exp(m - m') + their sum, the accumulator o' = o * exp(m - m') + P V (a tile product summed in
-// float32). A row of a tile depends on its own query only: its invisible keys get probability exactly 0, and a block
-// none of whose keys it sees leaves it untouched. So a query's output has the same bits whichever chunk, tile and
-// thread computes it, alone or beside others: chunked prefill and prefix-cache hits keep their bits.
+// running sum l' = l * exp(m - m') + their sum (16 partial sums, added once at the end), the accumulator
+// o' = o * exp(m - m') (skipped where every row's factor is 1) with P V added onto it by TDPBF16PS. A row of a tile
+// depends on its own query only: its invisible keys get probability exactly 0, a block none of whose keys it sees
+// leaves it untouched, and a factor of 1 leaves it unchanged. So a query's output has the same bits whichever chunk,
+// tile and thread computes it, alone or beside others: chunked prefill and prefix-cache hits keep their bits.
 //
 // Work in two passes: prepare (per run of one sequence, KV head and key block: the block's keys as the tile's second
 // source of Q K^T, its values as that of P V; keys outside the run's range are zeros) and items (per run, query
@@ -96,45 +97,75 @@ void amx_attention_prepare(const AmxAttention& a, int64_t begin, int64_t end) {
 
 namespace {
 
-// Row i of a block's 16 x 32 scores -> its bfloat16 probabilities (zeros where it sees no key), with its running
-// max / sum moved on; returns the factor its accumulator must be rescaled by.
-inline float softmax_row(const float* s, __mmask32 visible, float scale, float& row_max, float& row_sum,
-                         uint16_t* probs) {
-  if (visible == 0) {
-    _mm512_storeu_si512(probs, _mm512_setzero_si512());
-    return 1.f;
-  }
-  const __mmask16 m0 = (__mmask16)(visible & 0xFFFF), m1 = (__mmask16)(visible >> 16);
+// The visible keys of query p in block kb, as bits of its 32 keys.
+inline __mmask32 visible_keys(int64_t lo, int64_t p, int64_t kb) {
+  const int64_t from = std::max(lo, kb * kKeys) - kb * kKeys, to = std::min(p, kb * kKeys + kKeys - 1) - kb * kKeys;
+  if (from > to) return 0;
+  const uint32_t upto = to >= 31 ? 0xFFFFFFFFu : (1u << (to + 1)) - 1;
+  return (__mmask32)(upto & ~((1u << from) - 1));
+}
+
+// One block's online-softmax step for the 16 rows of a tile, from their 16 x 32 scores: each row's visible scores
+// scaled (the rest -inf), its running max moved on (row_max, 16 lanes), the rescale factors exp(old - new) (one
+// vector exp; 1 for a row that sees no key here, 0 for one that saw none before), the probabilities exp(s - max)
+// rounded to bfloat16 (zeros where invisible) into probs, and each row's running sum, kept as 16 partial sums
+// (sums[i]: lane j sums keys j and j + 16), taking the rounded probabilities.
+inline __m512 softmax_block(float* scores, const __mmask32* visible, float scale, float* row_max, float* sums,
+                            uint16_t* probs) {
+  alignas(64) float new_max[16];
   const __m512 ninf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
-  const __m512 s0 = _mm512_mask_mul_ps(ninf, m0, _mm512_loadu_ps(s), sc);
-  const __m512 s1 = _mm512_mask_mul_ps(ninf, m1, _mm512_loadu_ps(s + 16), sc);
-  const float new_max = std::max(row_max, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-  const float rescale = row_max == -INFINITY ? 0.f : exp_approx(row_max - new_max);
-  const __m512 shift = _mm512_set1_ps(new_max);
-  const __m512 p0 = _mm512_maskz_mov_ps(m0, exp_lanes(_mm512_sub_ps(s0, shift)));
-  const __m512 p1 = _mm512_maskz_mov_ps(m1, exp_lanes(_mm512_sub_ps(s1, shift)));
-  const __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
-  _mm512_storeu_si512(probs, pb);
-  // the sum of the rounded probabilities (what P V multiplies), widened back exactly
-  const __m512 r0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(pb)), 16));
-  const __m512 r1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(pb, 1)), 16));
-  row_sum = row_sum * rescale + _mm512_reduce_add_ps(_mm512_add_ps(r0, r1));
-  row_max = new_max;
+  for (int i = 0; i < 16; ++i) {
+    new_max[i] = row_max[i];
+    if (visible[i] == 0) continue;
+    float* s = scores + i * kKeys;
+    const __mmask16 m0 = (__mmask16)(visible[i] & 0xFFFF), m1 = (__mmask16)(visible[i] >> 16);
+    const __m512 s0 = _mm512_mask_mul_ps(ninf, m0, _mm512_loadu_ps(s), sc);
+    const __m512 s1 = _mm512_mask_mul_ps(ninf, m1, _mm512_loadu_ps(s + 16), sc);
+    _mm512_storeu_ps(s, s0);
+    _mm512_storeu_ps(s + 16, s1);
+    new_max[i] = std::max(row_max[i], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+  }
+  const __m512 old = _mm512_loadu_ps(row_max), now = _mm512_load_ps(new_max);
+  const __mmask16 seen = _mm512_cmp_ps_mask(old, ninf, _CMP_NEQ_OQ);  // rows that saw a key before
+  const __m512 rescale = _mm512_maskz_mov_ps(seen, exp_lanes(_mm512_sub_ps(old, now)));
+  _mm512_storeu_ps(row_max, now);
+  alignas(64) float factor[16];
+  _mm512_store_ps(factor, rescale);
+  for (int i = 0; i < 16; ++i) {
+    if (visible[i] == 0) {
+      _mm512_storeu_si512(probs + i * kKeys, _mm512_setzero_si512());
+      continue;
+    }
+    const float* s = scores + i * kKeys;
+    const __mmask16 m0 = (__mmask16)(visible[i] & 0xFFFF), m1 = (__mmask16)(visible[i] >> 16);
+    const __m512 shift = _mm512_set1_ps(new_max[i]);
+    const __m512 p0 = _mm512_maskz_mov_ps(m0, exp_lanes(_mm512_sub_ps(_mm512_loadu_ps(s), shift)));
+    const __m512 p1 = _mm512_maskz_mov_ps(m1, exp_lanes(_mm512_sub_ps(_mm512_loadu_ps(s + 16), shift)));
+    const __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+    _mm512_storeu_si512(probs + i * kKeys, pb);
+    // the rounded probabilities (what P V multiplies), widened back exactly
+    const __m512 r0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(pb)), 16));
+    const __m512 r1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(pb, 1)),
+                                                            16));
+    _mm512_storeu_ps(sums + i * 16, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(sums + i * 16),
+                                                                _mm512_set1_ps(factor[i])),
+                                                  _mm512_add_ps(r0, r1)));
+  }
   return rescale;
 }
 
 }  // namespace
 
 // Tiles: 0, 1 the scores of a block's two halves; 2 a query chunk; 3 a key tile; 4 the probabilities; 5 a value
-// tile; 6 a P V product (all 16 rows x 64 bytes, as amx_configure sets them).
+// tile; 6 16 dims of the accumulators (all 16 rows x 64 bytes, as amx_configure sets them).
 void amx_attention_items(const AmxAttention& a, int64_t begin, int64_t end) {
   const int64_t D = a.dim, kt = key_tiles(D), per_block = (kt + value_tiles(D)) * kTile, G = a.heads / a.kv_heads;
   alignas(64) uint16_t qb[16 * 256];
   alignas(64) float acc[16 * 256];
   alignas(64) float scores[16 * kKeys];
   alignas(64) uint16_t probs[16 * kKeys];
-  alignas(64) float pv[16 * 16];
-  float row_max[16], row_sum[16], rescale[16];
+  alignas(64) float row_max[16], sums[16 * 16], rescale[16];
+  __mmask32 visible[16];
   for (int64_t item = begin; item < end; ++item) {
     const AmxAttnRun* r = &a.runs[0];
     while (r + 1 < a.runs.data() + a.runs.size() && (r + 1)->item0 <= item) ++r;
@@ -151,9 +182,10 @@ void amx_attention_items(const AmxAttention& a, int64_t begin, int64_t end) {
       for (int64_t d = 0; d < D; d += 32)
         _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + d + 16),
                                                                  _mm512_loadu_ps(src + d)));
-      row_max[i] = -INFINITY, row_sum[i] = 0.f;
     }
     std::memset(acc, 0, 16 * D * sizeof(float));
+    std::memset(sums, 0, sizeof(sums));
+    for (int i = 0; i < 16; ++i) row_max[i] = -INFINITY;
     const int64_t p_first = r->pos0 + t0, p_last = p_first + rows - 1;
     const int64_t kb_lo = first_key(a, p_first) / kKeys, kb_hi = p_last / kKeys;
     for (int64_t kb = kb_lo; kb <= kb_hi; ++kb) {
@@ -170,39 +202,28 @@ void amx_attention_items(const AmxAttention& a, int64_t begin, int64_t end) {
       }
       _tile_stored(0, scores, kKeys * 4);
       _tile_stored(1, scores + 16, kKeys * 4);
-      for (int64_t i = 0; i < 16; ++i) {
-        __mmask32 visible = 0;
-        if (i < rows) {  // keys max(lo, 32 kb) .. min(p, 32 kb + 31) of this block
-          const int64_t p = p_first + i, from = std::max(first_key(a, p), kb * kKeys) - kb * kKeys;
-          const int64_t to = std::min(p, kb * kKeys + kKeys - 1) - kb * kKeys;
-          if (from <= to) {
-            const uint32_t upto = to >= 31 ? 0xFFFFFFFFu : (1u << (to + 1)) - 1;
-            visible = (__mmask32)(upto & ~((1u << from) - 1));
-          }
+      for (int64_t i = 0; i < 16; ++i)  // keys max(lo, 32 kb) .. min(p, 32 kb + 31) of this block
+        visible[i] = i < rows ? visible_keys(first_key(a, p_first + i), p_first + i, kb) : 0;
+      _mm512_store_ps(rescale, softmax_block(scores, visible, a.scale, row_max, sums, probs));
+      bool scaled = false;  // any row's factor other than 1 (a row's bits do not depend on whether: x * 1 == x)
+      for (int64_t i = 0; i < rows; ++i) scaled = scaled || rescale[i] != 1.f;
+      if (scaled)
+        for (int64_t i = 0; i < rows; ++i) {
+          const __m512 f = _mm512_set1_ps(rescale[i]);
+          for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(acc + i * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + d), f));
         }
-        if (visible == 0) {
-          std::memset(probs + i * kKeys, 0, kKeys * sizeof(uint16_t));
-          rescale[i] = 1.f;
-          continue;
-        }
-        rescale[i] = softmax_row(scores + i * kKeys, visible, a.scale, row_max[i], row_sum[i], probs + i * kKeys);
-      }
       _tile_loadd(4, probs, 64);
-      for (int64_t c = 0; c < D / 16; ++c) {
-        _tile_zero(6);
+      for (int64_t c = 0; c < D / 16; ++c) {  // acc += P V, 16 dims at a time, summed on the tiles
+        _tile_loadd(6, acc + c * 16, D * 4);
         _tile_loadd(5, values + c * kTile, 64);
         _tile_dpbf16ps(6, 4, 5);
-        _tile_stored(6, pv, 64);
-        for (int64_t i = 0; i < rows; ++i) {
-          float* o = acc + i * D + c * 16;
-          _mm512_storeu_ps(o, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(o), _mm512_set1_ps(rescale[i])),
-                                            _mm512_loadu_ps(pv + i * 16)));
-        }
+        _tile_stored(6, acc + c * 16, D * 4);
       }
     }
     for (int64_t i = 0; i < rows; ++i) {
       float* o = a.out + (r->row0 + t0 + i) * a.out_stride + hq * D;
-      const __m512 inv = _mm512_set1_ps(row_sum[i]);
+      const __m512 inv = _mm512_set1_ps(_mm512_reduce_add_ps(_mm512_loadu_ps(sums + i * 16)));
       for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_div_ps(_mm512_loadu_ps(acc + i * D + d), inv));
     }
   }
