@@ -11,6 +11,8 @@ prompt's or a token and its drafts, run as one query tile that reads each block 
 unchanged, csrc/attention_tile_avx512.h). Queries in float32; the cache in float32 or bfloat16 (each
 value widened to float32 as it is read, so a bfloat16 cache moves half the bytes). Built once per machine with torch's
 cpp_extension (g++, ninja) into torch's extension cache; if that fails the engine logs why and keeps the torch path.
+Prompt rows whose linear layers run on AMX tiles take `amx_attention` instead (csrc/amx_attention.cpp: bfloat16
+queries and probabilities, 32-key blocks fixed by position; layers/attention.py and the decode stack route them).
 """
 from __future__ import annotations
 
