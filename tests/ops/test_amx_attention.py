@@ -7,6 +7,8 @@ The kernel needs a CPU with AMX-BF16 (Intel Sapphire Rapids and later) and runs 
 import pytest
 import torch
 
+from deepinfer.layers.attention import Attention
+from deepinfer.layers.context import AttentionMetadata, ForwardContext, PrefillSeq, forward_context
 from deepinfer.ops import wide_linear as wl
 
 
@@ -87,3 +89,38 @@ def test_bad_inputs_are_refused(amx):
     with pytest.raises(RuntimeError, match="head dims"):
         amx.amx_attention(torch.randn(8, 2, 32), k[..., :32].contiguous(), v[..., :32].contiguous(), table, 0, 16,
                           0.125, -1)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_the_layer_sends_a_chunks_prompt_rows_to_the_tiles_and_the_rest_to_the_per_query_kernel(amx,
+                                                                                               batch_invariant):
+    """A chunk of 20 rows at positions 10..29 whose first 12 are prompt positions (ForwardContext.prompt_runs): those
+    take amx_attention, the recomputed generated rows after them paged_prefill, bit for bit; without prompt runs, or
+    over a float32 cache, every row takes paged_prefill."""
+    heads, kv_heads, dim, first, count = 9, 3, 64, 10, 20
+    layer = Attention(heads, kv_heads, dim, dim ** -0.5, cache_index=0)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(count, n, dim, generator=g) for n in (heads, kv_heads, kv_heads))
+    table = torch.tensor([3, 0, 5])
+    pos = torch.arange(first, first + count)
+    slots = table[pos // 16] * 16 + pos % 16
+
+    def run(runs, dtype=torch.bfloat16):
+        k_cache = torch.randn(6 * 16, kv_heads, dim, generator=torch.Generator().manual_seed(8)).to(dtype)
+        v_cache = torch.randn(6 * 16, kv_heads, dim, generator=torch.Generator().manual_seed(9)).to(dtype)
+        md = AttentionMetadata(slots, 0, None, None, [PrefillSeq(0, count, first + count, table)])
+        ctx = ForwardContext(md, [(k_cache, v_cache)], pos, batch_invariant=batch_invariant, cpu_kernels=amx,
+                             prompt_runs=runs)
+        with forward_context(ctx):
+            out = layer(q, k, v).view(count, heads, dim)
+        return out, k_cache, v_cache
+
+    out, k_cache, v_cache = run(((0, 12),))
+    scale = dim ** -0.5
+    assert torch.equal(out[:12], amx.amx_attention(q[:12].contiguous(), k_cache, v_cache, table, first, 16, scale, -1))
+    assert torch.equal(out[12:], amx.paged_prefill(q[12:].contiguous(), k_cache, v_cache, table, first + 12, 16,
+                                                   scale, -1, 0))
+    for runs, dtype in [((), torch.bfloat16), (((0, 12),), torch.float32)]:
+        out, k_cache, v_cache = run(runs, dtype)
+        assert torch.equal(out, amx.paged_prefill(q, k_cache, v_cache, table, first, 16, scale, -1, 0))
+
