@@ -210,6 +210,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
   const int threads = at::get_num_threads();
   std::vector<DecodeAttention> plans;
   std::vector<AmxAttention> tile_plans;  // per layer where its prompt rows (P..) attend on AMX tiles, else empty
+  std::vector<std::vector<AmxAttnRun>> group_runs(G);  // the prompt rows' sequences, per group of tables: once
   int64_t scratch = 0, room = 0;
   for (size_t l = 0; l < L; ++l) {
     const auto g = groups_[l];
@@ -220,8 +221,9 @@ torch::Tensor DecodeStack::forward(torch::Tensor x, torch::Tensor positions, std
     scratch = std::max(scratch, decode_scratch(plans.back()));
     tile_plans.emplace_back();
     if (tiled) {
+      if (group_runs[g].empty()) group_runs[g] = prompt_runs(tables[g], lens[g], P, T, block_size);
       tile_plans.back() = amx_attention_plan(qc.data_ptr<float>(), qs, k_caches_[l], v_caches_[l], heads_,
-                                             prompt_runs(tables[g], lens[g], P, T, block_size), block_size, scale_,
+                                             group_runs[g], block_size, scale_,
                                              windows_[l], att.data_ptr<float>(), qs);
       room = std::max(room, tile_plans.back().room);
     }
