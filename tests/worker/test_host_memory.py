@@ -19,17 +19,20 @@ import torch
 from deepinfer import SamplingParams
 from deepinfer.llm import LLM
 torch.set_num_threads(2)
-llm = LLM(max_num_seqs=192, kv_cache_memory=64 << 20)
+# room for all 192 sequences at every step: with 64 MiB (stops 47-62) the scheduler preempted half of them after ~16
+# tokens, the logits fell below 32 MiB, glibc's threshold rose past them and the control read 0-1 faults a step
+llm = LLM(max_num_seqs=192, kv_cache_memory=256 << 20)
 engine = llm.engine
 for i in range(192):
     engine.add_request(str(i), [1000 + i, 2000 + i, 3000 + i], SamplingParams(max_tokens=40, temperature=0.8,
                                                                                 seq_seed=i, ignore_eos=True))
-faults = []
+faults, rows = [], []
 for _ in range(16):  # the prompts, then decode steps
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     engine.step()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(json.dumps({"faults_per_step": sorted(faults[4:])[len(faults[4:]) // 2]}))
+    rows.append(len(engine.scheduler.running))
+print(json.dumps({"faults_per_step": sorted(faults[4:])[len(faults[4:]) // 2], "rows": rows}))
 """
 
 
@@ -38,7 +41,9 @@ def faults_per_step(keep: bool) -> float:
     env = {**os.environ, "DEEPINFER_KEEP_HOST_MEMORY": "1" if keep else "0"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])["faults_per_step"]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    assert measured["rows"] == [192] * 16, f"every step should run all 192 rows (37.7 MB of logits): {measured['rows']}"
+    return measured["faults_per_step"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux only")
