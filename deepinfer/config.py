@@ -283,6 +283,10 @@ class EngineConfig:
     # =auto): on for quantized compute where the CPU has AMX-BF16, unless batch_invariant (whose bits must not depend
     # on the CPU); True where it cannot run is an error
     amx_prefill: bool | None = None
+    # greedy steps of 4+ rows take an 8-bit LM head's argmax in two passes, exact: the quants' top 6 bits bound every
+    # output, only blocks that can hold a row's largest are computed in full (layers/quantized.bound_head). None
+    # (DEEPINFER_BOUNDED_HEAD=auto): where the compiled ops are AVX2 without VNNI, the one build where it pays
+    bounded_head: bool | None = None
 
     def __post_init__(self) -> None:
         n = self.num_threads
@@ -334,6 +338,8 @@ class EngineConfig:
             top["split_head"] = _env_auto_flag(env, "DEEPINFER_SPLIT_HEAD", unset=False)
         if "amx_prefill" not in top:
             top["amx_prefill"] = _env_auto_flag(env, "DEEPINFER_AMX_PREFILL", unset=None)
+        if "bounded_head" not in top:
+            top["bounded_head"] = _env_auto_flag(env, "DEEPINFER_BOUNDED_HEAD", unset=None)
         if "enable_mtp_varlen" not in top:
             top["enable_mtp_varlen"] = _env_flag(env, "DEEPINFER_ENABLE_MTP_VARLEN", True)
         return cls(

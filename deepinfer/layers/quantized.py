@@ -39,6 +39,7 @@ class QuantWeight:
         self.packed: ql.PackedWeight | ql.SplitWeight | None = None
         self.dense: torch.Tensor | None = None  # float32, only when the kernels are unavailable
         self.tiles = False  # prompt rows in bfloat16 on AMX tiles (ops/wide_linear.py)
+        self.argmax_bound: torch.Tensor | None = None  # an LM head's greedy steps in two passes (bound_head)
 
     def load_shard(self, canonical: ql.Canonical, shard: int) -> None:
         self._shards[shard] = canonical
@@ -155,7 +156,23 @@ def head_argmax(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
     w = head.weight
     if w.packed is None or head.bias is not None or not hasattr(w.kernels, "quant_linear_argmax"):
         return None
+    if w.argmax_bound is not None and hidden.shape[0] >= ql.BOUNDED_ARGMAX_ROWS:
+        return ql.bounded_argmax(w.kernels, hidden.float(), w.packed, w.argmax_bound)
     return ql.argmax(w.kernels, hidden.float(), w.packed)
+
+
+def bound_head(head: nn.Module) -> bool:
+    """Lets an LM head on 8-bit symmetric blocks (Q8_0, int8) take greedy steps of several rows in two passes
+    (ops/quant_linear.bounded_argmax: the same tokens); False where it cannot (another format, a bias, split
+    planes, no compiled op)."""
+    if not isinstance(head, QuantizedLinear) or head.bias is not None:
+        return False
+    w = head.weight
+    if w.packed is None or not ql.boundable(w.packed) or not hasattr(w.kernels, "quant_argmax_bounded"):
+        return False
+    if w.argmax_bound is None:
+        w.argmax_bound = ql.argmax_bound(w.kernels, w.packed)
+    return True
 
 
 class QuantizedEmbedding(nn.Module):

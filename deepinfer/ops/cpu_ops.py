@@ -22,7 +22,7 @@ _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 # the slowest source first: ninja starts them in this order, so it does not compile alone at the end
 SOURCES = ("bindings.cpp", "quant_linear.cpp", "attention.cpp", "decode_stack.cpp", "layer_ops.cpp", "sampling.cpp",
            "head_argmax.cpp", "dense_linear.cpp", "split_head.cpp", "amx_linear.cpp",
-           "amx_attention.cpp")
+           "amx_attention.cpp", "bounded_argmax.cpp")
 ISA_FLAGS = {
     "native": ["-march=native"],
     "avx2-vnni": ["-march=native", "-mno-avx512f", "-mavxvnni"],

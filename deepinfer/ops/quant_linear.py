@@ -290,6 +290,34 @@ def argmax(kernels: ModuleType, x: torch.Tensor, w: PackedWeight | SplitWeight) 
     return kernels.quant_linear_argmax(x, *w.op_args)
 
 
+# Greedy steps of at least this many rows take a bounded head's argmax in two passes (csrc/bounded_argmax.cpp); fewer
+# stay on quant_linear_argmax, which streams the weight at about the memory's rate there (Zen 3, the head alone on
+# its own final states: SmolLM2 0.96x / 1.08x / 1.24x / 1.33x at 2 / 4 / 16 / 64 rows, Gemma 3 ~1.07x at 2-3 rows).
+BOUNDED_ARGMAX_ROWS = 4
+
+
+def boundable(w: PackedWeight | SplitWeight) -> bool:
+    """Whether csrc/bounded_argmax.cpp takes this weight: 8-bit symmetric quants with c = -128 in groups of 32 and
+    float16 scales (GGUF Q8_0, int8)."""
+    return isinstance(w, PackedWeight) and w.fmt == INT8 and not w.small
+
+
+def argmax_bound(kernels: ModuleType, w: PackedWeight) -> torch.Tensor:
+    """float32 [n_pad / 16, 2, 16]: per output, the factors of ||x||_2 and ||x||_1 in bounded_argmax's bound."""
+    if not boundable(w):
+        what = getattr(w, "fmt", type(w).__name__)
+        raise ValueError(f"a bounded argmax needs an 8-bit symmetric weight with float16 scales, not {what}")
+    return kernels.quant_argmax_bound(w.quants, w.scales, w.k)
+
+
+def bounded_argmax(kernels: ModuleType, x: torch.Tensor, w: PackedWeight, bound: torch.Tensor) -> torch.Tensor:
+    """argmax(kernels, x, w), the same indices, in two passes: the top 6 bits of each quant bound every output and
+    only blocks that can hold a row's largest are computed exactly (csrc/bounded_argmax.cpp)."""
+    if x.dim() != 2 or x.shape[-1] != w.k:
+        raise ValueError(f"quantized argmax takes [M, {w.k}] inputs, got {tuple(x.shape)}")
+    return kernels.quant_argmax_bounded(x, *w.op_args, bound)
+
+
 def rows(kernels: ModuleType, ids: torch.Tensor, w: PackedWeight | SplitWeight) -> torch.Tensor:
     """Rows `ids` of the weight, dequantized to float32: [*ids.shape, K]."""
     if isinstance(w, SplitWeight):

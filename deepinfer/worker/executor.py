@@ -15,11 +15,11 @@ from deepinfer.config import Compute, EngineConfig
 from deepinfer.core.kv_layout import KVCacheSpec, KVLayout
 from deepinfer.core.plan import StepPlan, StepResult
 from deepinfer.layers.moe import MoEStep, moe_step
-from deepinfer.layers.quantized import QuantizedLinear
+from deepinfer.layers.quantized import QuantizedLinear, bound_head
 from deepinfer.models.loader import ModelFiles, iter_weights
 from deepinfer.ops import cpu_attention, cpu_ops
 from deepinfer.ops.cpu_ops import last_level_cache_bytes
-from deepinfer.ops.quant_linear import PackedWeight, SplitWeight, splittable
+from deepinfer.ops.quant_linear import BOUNDED_ARGMAX_ROWS, PackedWeight, SplitWeight, splittable
 from deepinfer.ops.wide_linear import available as amx_available
 from deepinfer.spec.mtp_head import load_head
 from deepinfer.transforms.quantize import finalize_quantized, prepare_quantized
@@ -91,6 +91,24 @@ def split_head_report(config: EngineConfig, model, ops) -> str:
     return "no (auto: the head fits in twice the last-level cache)"
 
 
+def apply_bounded_head(config: EngineConfig, model, ops) -> str:
+    """Gives the LM head its two-pass greedy argmax (layers/quantized.bound_head) where config.bounded_head asks for
+    it; auto: where the compiled ops are AVX2 without VNNI (Gemma 3 on the Zen 3: the head 1.7x at 64 rows, a batch-64
+    step 1.1x; with VNNI an 8-bit product costs what a 6-bit one does, doc/inference_deployment_qa.md). Returns the
+    start-up log's line."""
+    if config.bounded_head is False:
+        return "no (DEEPINFER_BOUNDED_HEAD=0)"
+    if ops is None:
+        return "no (no compiled CPU ops)"
+    if config.bounded_head is None and ops.isa() != "avx2":
+        return f"no (auto: AVX2 without VNNI only; the {ops.isa()} build's 8-bit products cost what 6-bit ones do)"
+    if not bound_head(getattr(model, "lm_head", None)):
+        return "no (not an 8-bit symmetric head on the compiled blocks)"
+    how = "DEEPINFER_BOUNDED_HEAD=1" if config.bounded_head else "auto: AVX2 without VNNI"
+    return (f"yes ({how}): greedy steps of {BOUNDED_ARGMAX_ROWS}+ rows bound every output from the quants' top 6 "
+            "bits and compute in full only the blocks that can hold the largest")
+
+
 def amx_prefill_choice(config: EngineConfig, ops, compute: Compute) -> tuple[bool, str]:
     """Whether prompt rows compute in bfloat16 on AMX tiles (ops/wide_linear.py), and why, for the start-up log;
     raises where it was asked for (DEEPINFER_AMX_PREFILL=1) and cannot run."""
@@ -158,6 +176,7 @@ class InProcessExecutor(Executor):
                                  split_head=split_head_bytes(config, ops), amx_prefill=self.amx_prefill)
         if ops is not None and compute.quantization is not None:
             logger.info("LM head in split planes: %s", split_head_report(config, self.model, ops))
+            logger.info("LM head's argmax in two passes: %s", apply_bounded_head(config, self.model, ops))
         self.quantized = compute.quantization is not None
         self._prepare_mtp(files, ops, glue)
         self.runner: ModelRunner | None = None

@@ -42,6 +42,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "top-k / top-p sampling on rows in probability order, sums in float64 (no cdf tensor)", nogil);
   m.def("quant_linear_argmax", &quant_linear_argmax,
         "argmax over the outputs of x @ dequant(W)^T per row, without the logits (an LM head's greedy token)", nogil);
+  m.def("quant_argmax_bound", &quant_argmax_bound,
+        "per output of an 8-bit symmetric head, [nb, 2, 16]: the bounds quant_argmax_bounded's first pass needs", nogil);
+  m.def("quant_argmax_bounded", &quant_argmax_bounded,
+        "quant_linear_argmax's index for an 8-bit symmetric head in two passes: the quants' top 6 bits bound every "
+        "output, only blocks that can hold a row's largest are computed exactly", nogil);
   m.def("split_head_linear", &split_head_linear, "quant_linear's outputs for an 8-bit head stored as split planes",
         nogil);
   m.def("split_head_rows", &split_head_rows, "quant_rows' rows of an 8-bit table stored as split planes", nogil);

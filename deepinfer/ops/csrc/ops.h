@@ -36,6 +36,12 @@ std::tuple<torch::Tensor, torch::Tensor> sample_sorted(torch::Tensor weights, to
                                                        torch::Tensor usable, torch::Tensor complete);
 torch::Tensor quant_linear_argmax(torch::Tensor x, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
                                   int64_t bits, int64_t group, double c, int64_t n);
+// bounded_argmax.cpp: quant_linear_argmax's index for an 8-bit symmetric head in two passes (the top 6 bits of each
+// quant bound every output, only blocks that can hold the largest are computed exactly); bound from
+// quant_argmax_bound ([nb, 2, 16]: per output the bound's factors of ||x||_2 and ||x||_1)
+torch::Tensor quant_argmax_bound(torch::Tensor quants, torch::Tensor scales, int64_t k);
+torch::Tensor quant_argmax_bounded(torch::Tensor x, torch::Tensor quants, torch::Tensor scales, torch::Tensor offsets,
+                                   int64_t bits, int64_t group, double c, int64_t n, torch::Tensor bound);
 // amx_linear.cpp: many rows on AMX tiles against a quantized weight dequantized to bfloat16 as it goes (quant_linear's
 // weight arguments; throws where the build has no AMX)
 // amx_attention.cpp: one prefill chunk's attention on AMX tiles (prompt rows; a bfloat16 cache)
