@@ -10,7 +10,9 @@
 // |z - z~| <= R_i ||x||_2 by Cauchy-Schwarz, R_i = ||d (l - 1.5)||_2 over output i's weights (x: the rounded
 // activations xd * xq), plus the float rounding of both passes, at most (2 ng + 2) 2^-24 (128 + 126.5) max_g |d|
 // ||x||_1 to first order; E_i = (2 ng + 16) 2^-23 * 512 * max_g |d| covers it and the rounding of the bounds
-// themselves several times over. bound [nb][2][16] holds R and E per block, rounded up (quant_argmax_bound). A block
+// themselves several times over; kSlack (2^-110) covers the absolute rounding of products that fall below float's
+// normal range (activations near 1e-38: each such term may lose all its bits, at most ~1e-37 in all). bound
+// [nb][2][16] holds R and E per block, rounded up (quant_argmax_bound). A block
 // whose every upper bound z~ + B falls below a row's best lower bound z~ - B of any output cannot hold that row's
 // largest value nor tie it; the other blocks are computed exactly and scanned in index order, so the index is the
 // first of the largest values, as torch.argmax of quant_linear's outputs gives. Rows with a value that is not
@@ -32,6 +34,7 @@
 namespace {
 
 constexpr int64_t kRecord = 512;  // bytes of one group record: 16 outputs x 32 values
+constexpr float kSlack = 0x1p-110f;  // added to every bound (the header)
 
 inline float half_value(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
@@ -117,8 +120,9 @@ inline bool block_bounds(const float* z, const float* bound, int cols, float l2,
     const __m256 L2 = _mm256_set1_ps(l2), L1 = _mm256_set1_ps(l1), zero = _mm256_setzero_ps();
     __m256 low = _mm256_set1_ps(-INFINITY), high = low, off = zero;
     for (int h = 0; h < 2; ++h) {
-      const __m256 B = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(bound + 8 * h), L2),
-                                     _mm256_mul_ps(_mm256_loadu_ps(bound + 16 + 8 * h), L1));
+      const __m256 B = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(bound + 8 * h), L2),
+                                                   _mm256_mul_ps(_mm256_loadu_ps(bound + 16 + 8 * h), L1)),
+                                     _mm256_set1_ps(kSlack));
       const __m256 v = _mm256_loadu_ps(z + 8 * h);
       // x - x is 0 for every finite x, NaN for inf and NaN
       off = _mm256_or_ps(off, _mm256_cmp_ps(_mm256_sub_ps(v, v), zero, _CMP_NEQ_UQ));
@@ -133,7 +137,7 @@ inline bool block_bounds(const float* z, const float* bound, int cols, float l2,
   float low = -INFINITY, high = -INFINITY;
   bool finite = true;
   for (int j = 0; j < cols; ++j) {
-    const float B = bound[j] * l2 + bound[16 + j] * l1;
+    const float B = bound[j] * l2 + bound[16 + j] * l1 + kSlack;
     finite = finite && std::isfinite(z[j]) && std::isfinite(B);
     low = std::max(low, z[j] - B);
     high = std::max(high, z[j] + B);
