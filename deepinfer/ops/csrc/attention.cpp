@@ -4,8 +4,8 @@
 // the KV head against one block segment of keys, rescales a running max / sum / weighted value sum (online softmax,
 // one rescale per segment), and writes acc / sum; sliding windows start at max(0, len - W). `paged_prefill` runs the
 // same per-query computation for each token of a prefill chunk (one compiled copy of the segment step, no FMA
-// contraction), so a token gets the same bits from either path: the batch-invariant mode's attention. With AVX-512,
-// runs of four consecutive positions of one sequence become query tiles (attention_tile_avx512.h), each query's
+// contraction), so a token gets the same bits from either path: the batch-invariant mode's attention. With AVX-512 or
+// AVX2, runs of consecutive positions of one sequence become query tiles (attention_tiles.h), each query's
 // arithmetic unchanged. Queries in float32; the cache in float32, bfloat16 or float8 e4m3fn (each value widened to
 // float32 as it is read).
 #include "aten.h"
@@ -245,9 +245,7 @@ static void items_of(const DecodeAttention& a, int64_t begin, int64_t end, float
   }
 }
 
-// Query tiles (AVX-512): next_position finds them, tiles_of runs a plan's items with them (included here, after
-// attend_piece and item_at, which it uses).
-#include "attention_tile_avx512.h"
+#include "attention_tiles.h"  // query tiles (AVX-512, AVX2): next_position, tiles_of
 
 DecodeAttention decode_attention(const float* q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                  int64_t rows, int64_t heads, const int64_t* tables, int64_t width,
@@ -279,7 +277,7 @@ DecodeAttention decode_attention(const float* q, const torch::Tensor& k_cache, c
     items = total;
   }
   std::vector<std::pair<int64_t, int64_t>> tiles;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(DI_ATTN_AVX2)
   if (per == group && items == pairs && group <= 4) {  // runs of DI_ATTN_TILE rows of one sequence become tiles
     bool any = false;
     for (int64_t n = 0; n < rows;) {
@@ -313,7 +311,7 @@ int64_t decode_items(const DecodeAttention& a) { return a.items; }
 int64_t decode_scratch(const DecodeAttention& a) { return a.per * (a.block_size + a.dim + 2); }
 
 void decode_item_range(const DecodeAttention& a, int64_t begin, int64_t end, float* scratch) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(DI_ATTN_AVX2)
   if (!a.tiles.empty()) {
     if (a.kind == kKVBf16) tiles_of<uint16_t>(a, begin, end, scratch);
     else if (a.kind == kKVFp8) tiles_of<uint8_t>(a, begin, end, scratch);

@@ -112,7 +112,7 @@ struct DecodeAttention {
   float* out;  // [rows, heads, dim]
   int64_t per;  // most query heads of one piece (sizes the scratch)
   int64_t items;
-  // query tiles (AVX-512): (first row, rows) of consecutive rows of one sequence read together, a single row being
+  // query tiles (AVX-512, AVX2): (first row, rows) of consecutive rows of one sequence read together, a single row being
   // (row, 1); item i is tile i / kv_heads's queries of KV head i % kv_heads. Empty: no tiles (items as above).
   std::vector<std::pair<int64_t, int64_t>> tiles;
   int prefetch;  // the cache level the AVX-512 loops prefetch into: 3 (L1) or 2 (L2); no value depends on it
