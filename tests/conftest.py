@@ -1,9 +1,11 @@
-"""Fixtures every test directory shares: a throwaway redis-server on a free loopback port."""
+"""Fixtures every test directory shares: a throwaway redis-server on a free loopback port; the compiled ops' lower
+builds started in the background when tests/ops runs."""
 from __future__ import annotations
 
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -61,3 +63,33 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+PREBUILD = pytest.StashKey[subprocess.Popen]()
+PREBUILD_SCRIPT = """
+from deepinfer.ops import cpu_ops
+for isa in cpu_ops.lower_builds(cpu_ops.cpu_isa_flags()):
+    cpu_ops.load(isa)
+"""
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """tests/ops compares every lower build of the compiled ops (portable, AVX2, AVX2 with AVX-VNNI) with the native
+    one; each is a ~1-2 minute compile on 2 cores. They start here, in one process at the lowest priority, and
+    compile while the tests before them wait on servers, sockets and subprocesses (the suite keeps the 2 cores ~55%
+    busy), rather than in front of the tests that load them; a test that gets there first waits on torch's build
+    lock for the build in progress. Nothing else changes: the tests load the same builds, and a failed background
+    build fails nothing by itself (the test's own load reports it)."""
+    if not any(item.nodeid.startswith("tests/ops/") for item in session.items):
+        return
+    session.stash[PREBUILD] = subprocess.Popen(
+        ["nice", "-n", "19", sys.executable, "-c", PREBUILD_SCRIPT],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The background build ends before the session: stopping it mid-compile would leave torch's lock file behind,
+    and the next session's load would wait on it."""
+    proc = session.stash.get(PREBUILD, None)
+    if proc is not None:
+        proc.wait()

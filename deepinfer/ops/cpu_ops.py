@@ -96,6 +96,17 @@ def native_equals(isa: str, cpu_flags: set[str]) -> bool:
     return (isa == "avx2" and "avx_vnni" not in cpu_flags) or (isa == "avx2-vnni" and "avx_vnni" in cpu_flags)
 
 
+def lower_builds(cpu_flags: set[str]) -> list[str]:
+    """The builds below native that a CPU with these flags can run (the tests compare each with native): portable
+    C++ always, AVX2 where it has AVX2, FMA and F16C, AVX2 with AVX-VNNI where it has that too."""
+    builds = ["generic"]
+    if {"avx2", "fma", "f16c"} <= cpu_flags:
+        builds.append("avx2")
+        if "avx_vnni" in cpu_flags:
+            builds.append("avx2-vnni")
+    return builds
+
+
 @functools.lru_cache(maxsize=None)
 def load(isa: str = "native") -> ModuleType | None:
     """The compiled ops for `isa` (see ISA_FLAGS), built on first use; None if they cannot be built here (callers

@@ -171,13 +171,7 @@ def test_bad_shapes_are_refused(kernels):
 
 
 def _isa_builds() -> list[str]:
-    flags = cpu_ops.cpu_isa_flags()
-    builds = ["generic"]
-    if {"avx2", "fma", "f16c"} <= flags:
-        builds.append("avx2")
-    if {"avx2", "fma", "f16c", "avx_vnni"} <= flags:
-        builds.append("avx2-vnni")
-    return builds
+    return cpu_ops.lower_builds(cpu_ops.cpu_isa_flags())
 
 
 @pytest.mark.parametrize("isa", _isa_builds())
