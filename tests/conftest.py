@@ -2,6 +2,7 @@
 builds started in the background when tests/ops runs."""
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -83,8 +84,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if not any(item.nodeid.startswith("tests/ops/") for item in session.items):
         return
     session.stash[PREBUILD] = subprocess.Popen(
-        ["nice", "-n", "19", sys.executable, "-c", PREBUILD_SCRIPT],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [sys.executable, "-c", PREBUILD_SCRIPT], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: os.nice(19))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

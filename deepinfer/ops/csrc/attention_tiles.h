@@ -4,6 +4,8 @@
 // AVX-512 a larger tile's accumulators outgrow the registers of the value pass). AVX-512, 4 rows: SmolLM2's
 // attention over a 2,048-token prompt on one thread of the 2-core Zen 4 EPYC 1.19x faster than a query at a time,
 // 2 rows 1.22x, 8 rows 0.99x (before softmax_heads16 and the unmasked whole pieces, with which 4 rows give 1.40x).
+// AVX2, 4 rows, a 512 / 2,048-token prompt on the 2-core Zen 3 EPYC: 1.03-1.19x, 2 rows 1.05-1.12x, 8 rows 1.03-1.17x
+// (benchmarks/prompt_attention.py).
 // Rows outside any tile run the decode item (without its request for the next item's first rows).
 #pragma once
 #if defined(__AVX512F__) || defined(DI_ATTN_AVX2)
