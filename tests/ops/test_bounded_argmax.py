@@ -12,6 +12,7 @@ from deepinfer import SamplingParams
 from deepinfer.models.gguf_blocks import canonical
 from deepinfer.ops import quant_linear as ql
 from tests.ops.test_quant_linear import _isa_builds, random_blocks
+from tests.ops.test_split_head import bound_edges_q8
 
 
 def q8(raw: np.ndarray, n: int, k: int) -> ql.PackedWeight:
@@ -61,12 +62,7 @@ def test_same_index_as_the_exact_argmax_for_any_rows_and_threads(kernels, n, k):
 def test_ties_across_blocks_near_ties_and_extreme_low_bits(kernels):
     n, k = 700, 128
     gen = torch.Generator().manual_seed(2)
-    raw = random_blocks(QType.Q8_0, n, k, seed=9)
-    q = raw.reshape(n, k // 32, 34)[:, :, 2:]
-    q[: n // 2] = (q[: n // 2].view(np.int8) | 3).view(np.uint8)  # low bits all 3: the bound's far edge
-    q[n // 2 :] = (q[n // 2 :].view(np.int8) & ~3).view(np.uint8)  # all 0: the near edge
-    for row in (5, 300, 650):  # equal rows in three blocks: equal outputs, the first wins wherever it is largest
-        raw[row] = raw[40]
+    raw = bound_edges_q8(n, k, 3)  # the 2 low bits pass 1 leaves open
     w = q8(raw, n, k)
     d = torch.from_numpy(canonical(QType.Q8_0, raw, (n, k)).dequantize())
     x = torch.cat([d[40:41] * 3, d[300:301] + 0.01 * torch.randn(1, k, generator=gen),

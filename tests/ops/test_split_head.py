@@ -46,15 +46,24 @@ def test_logits_rows_and_argmax_are_the_8bit_layouts(kernels, n, k):
     assert torch.equal(ql.rows(kernels, ids, packed), ql.rows(kernels, ids, split))
 
 
+def bound_edges_q8(n: int, k: int, low: int) -> np.ndarray:
+    """Q8_0 blocks (700 x 128 in the tests) whose quants' low bits (mask `low`: the bits a two-pass head's first pass
+    leaves open) are all set in the first half of the rows (the bound's far edge) and all clear in the second (its
+    near edge), with rows 5, 300 and 650 equal to row 40: equal outputs in three blocks, the first wins wherever it is
+    the largest."""
+    raw = random_blocks(QType.Q8_0, n, k, seed=9)
+    q = raw.reshape(n, k // 32, 34)[:, :, 2:]
+    q[: n // 2] = (q[: n // 2].view(np.int8) | low).view(np.uint8)
+    q[n // 2 :] = (q[n // 2 :].view(np.int8) & ~low).view(np.uint8)
+    for row in (5, 300, 650):
+        raw[row] = raw[40]
+    return raw
+
+
 def test_argmax_of_close_outputs_ties_and_extreme_low_planes(kernels):
     n, k = 700, 128
     gen = torch.Generator().manual_seed(2)
-    raw = random_blocks(QType.Q8_0, n, k, seed=9)
-    q = raw.reshape(n, k // 32, 34)[:, :, 2:]
-    q[: n // 2] = (q[: n // 2].view(np.int8) | 7).view(np.uint8)  # low planes all 7: the bound's far edge
-    q[n // 2 :] = (q[n // 2 :].view(np.int8) & ~7).view(np.uint8)  # all 0: the near edge
-    for row in (5, 300, 650):  # equal rows: equal outputs, the first wins wherever it is the largest
-        raw[row] = raw[40]
+    raw = bound_edges_q8(n, k, 7)  # the 3 low planes
     packed, split = both(raw, n, k)
     w = torch.from_numpy(canonical(QType.Q8_0, raw, (n, k)).dequantize())
     x = torch.cat([w[40:41] * 3, w[300:301] + 0.01 * torch.randn(1, k, generator=gen), torch.randn(6, k, generator=gen)])

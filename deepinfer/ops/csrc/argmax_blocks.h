@@ -2,6 +2,7 @@
 // 16-column blocks, a few at a time into a buffer that stays in cache, and scans them as they come (ArgmaxScan);
 // the threads' answers are then combined in column order: the first NaN wins, else the largest value, earlier
 // columns winning ties. compute(buf, ldo, b, e) writes blocks b..e-1 of the M rows at buf[m * ldo + 16 * (b' - b)].
+// Also the step the two-pass heads (split_head.cpp, bounded_argmax.cpp) share between their passes: surviving.
 #pragma once
 #include "aten.h"
 #include <algorithm>
@@ -49,4 +50,19 @@ torch::Tensor argmax_over_blocks(int64_t M, int64_t nb, int64_t n, const Compute
     op[m] = best;
   }
   return out;
+}
+
+// The two-pass heads' candidates (each with its row m and an upper bound ub) that can still hold their row's largest
+// value: ub at or above the best lower bound any of the T threads found for the row (lower[t * M + m]).
+template <class Candidate>
+std::vector<Candidate> surviving(const std::vector<std::vector<Candidate>>& found, const std::vector<float>& lower,
+                                 int64_t T, int64_t M) {
+  std::vector<float> best_low(M, -INFINITY);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t m = 0; m < M; ++m) best_low[m] = std::max(best_low[m], lower[t * M + m]);
+  std::vector<Candidate> kept;
+  for (const auto& f : found)
+    for (const Candidate& c : f)
+      if (c.ub >= best_low[c.m]) kept.push_back(c);
+  return kept;
 }

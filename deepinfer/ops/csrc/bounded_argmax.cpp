@@ -28,7 +28,7 @@
 #include <immintrin.h>
 #endif
 
-#include "argmax_scan.h"
+#include "argmax_blocks.h"  // surviving (and argmax_scan.h)
 #include "ops.h"
 
 namespace {
@@ -261,13 +261,7 @@ torch::Tensor quant_argmax_bounded(torch::Tensor x, torch::Tensor quants, torch:
     }
   });
   if (std::any_of(bad.begin(), bad.end(), [](char v) { return v != 0; })) return exact();
-  std::vector<float> best_low(M, -INFINITY);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t m = 0; m < M; ++m) best_low[m] = std::max(best_low[m], lower[t * M + m]);
-  std::vector<Candidate> cands;
-  for (const auto& f : found)
-    for (const Candidate& cd : f)
-      if (cd.ub >= best_low[cd.m]) cands.push_back(cd);
+  std::vector<Candidate> cands = surviving(found, lower, T, M);
   std::sort(cands.begin(), cands.end(), [](const Candidate& p, const Candidate& r) {
     return p.b != r.b ? p.b < r.b : p.m < r.m;
   });

@@ -275,13 +275,7 @@ torch::Tensor split_head_argmax(torch::Tensor x, torch::Tensor high, torch::Tens
     }
   });
   if (std::any_of(bad.begin(), bad.end(), [](char c) { return c != 0; })) return exact_argmax(w, a, M, n);
-  std::vector<float> best_low(M, -INFINITY);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t m = 0; m < M; ++m) best_low[m] = std::max(best_low[m], lower[t * M + m]);
-  std::vector<Candidate> cands;
-  for (const auto& f : found)
-    for (const Candidate& c : f)
-      if (c.ub >= best_low[c.m]) cands.push_back(c);
+  std::vector<Candidate> cands = surviving(found, lower, T, M);
   std::sort(cands.begin(), cands.end(), [](const Candidate& p, const Candidate& q) {
     return p.m != q.m ? p.m < q.m : p.b < q.b;
   });
