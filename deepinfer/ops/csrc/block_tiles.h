@@ -5,6 +5,7 @@
 template <int BITS, int G, typename ST, int OFF>
 struct FormatTiles {
   static constexpr int kRows = tile_rows<BITS, G, OFF>();
+  static constexpr bool kPairs = BITS != 8;  // block_tiles: a rest of 1 row as tiles of 2 (8-bit: 0.95-0.98x)
   template <int MT>
   static void run(const uint8_t* qr, const ST* sr, const ST* orr, float c, int64_t ng, const int8_t* xq,
                   const float* xd, const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
@@ -24,6 +25,7 @@ using Widened5Tiles = FormatTiles<8, G, ST, OFF>;
 template <int BITS, int G, typename ST, int OFF>
 struct ByteTiles {
   static constexpr int kRows = DI_WIDE5_TILE;
+  static constexpr bool kPairs = true;
   template <int MT>
   static void run(const uint8_t* qr, const ST* sr, const ST* orr, float c, int64_t ng, const int8_t* xq,
                   const float* xd, const int32_t* xs, const float* xt, int64_t K, float* out, int64_t ldo) {
@@ -45,17 +47,26 @@ using Small8Tiles = ByteTiles<6, G, ST, OFF>;
 
 // The M rows of one block of 16 outputs (its records at qr): tiles of Tiles::kRows rows (kMaxTile, or 3 for AVX2's
 // 16-lane tiles), then one tile of the rest (one pass over the weight block per tile); every row runs the same
-// per-row sequence whatever tile it falls in.
+// per-row sequence whatever tile it falls in. With tiles of 3 and Tiles::kPairs, a rest of 1 row goes as two tiles
+// of 2 instead (the last full tile's rows and it): a one-row tile pays a pass's fixed work for a single row. SmolLM2's
+// and Gemma 3's 4-, 5- and 6-bit layers at 4 / 7 / 10 rows, 2 threads: 1.01-1.06x (benchmarks/quant_linear_rows.py
+// --rows 4,7,10 against the parent's sources); the Q8_0 head 0.95-0.98x, so not for full 8-bit records.
 template <class Tiles, typename ST>
 void block_tiles(const uint8_t* qr, const ST* sr, const ST* orr, float c, int64_t ng, int64_t K, const int8_t* xq,
                  const float* xd, const int32_t* xs, const float* xt, int64_t M, float* out, int64_t ldo) {
   constexpr int kTile = Tiles::kRows;
   static_assert(kTile <= kMaxTile, "the rest below has cases up to kMaxTile - 1 rows");
+  const int64_t full = Tiles::kPairs && kTile == 3 && M >= 4 && M % 3 == 1 ? M - 4 : M;  // rows in tiles of kTile
   int64_t m = 0;
-  for (; m + kTile <= M; m += kTile)
+  for (; m + kTile <= full; m += kTile)
     Tiles::template run<kTile>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16),
                                xt + m * (3 * K / 32), K, out + m * ldo, ldo);
 #if defined(DI_AVX512) || defined(DI_AVX2)
+  if constexpr (kTile == 3 && Tiles::kPairs) {
+    for (; full != M && m < M; m += 2)
+      Tiles::template run<2>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16),
+                             xt + m * (3 * K / 32), K, out + m * ldo, ldo);
+  }
   auto rest = [&](auto rows) {
     Tiles::template run<decltype(rows)::value>(qr, sr, orr, c, ng, xq + m * K, xd + m * (K / 32), xs + m * (K / 16),
                                                xt + m * (3 * K / 32), K, out + m * ldo, ldo);
