@@ -5,7 +5,9 @@ sizes; llama.cpp's own n-gram speculation (llama-server --spec-type ngram-simple
 Greedy, the same token ids for every mode: speculation is lossless, so every mode generates the same tokens and only
 the time differs. EOS is ignored (every request --max-tokens long) unless --stop-at-eos: then each request ends
 where the model ends its turn, as a user's does (a rewrite past its end is text the model makes up, not a copy).
-Reports output tokens/s, speedup over off, acceptance per draft position.
+Reports output tokens/s (each request's whole time, its prompt included), speedup over off, and at batch 1 also
+decode-only tokens/s (from each request's first token to its last: the speed llama-server's own timings give, and
+what speculation changes) with its speedup; acceptance per draft position.
 Batch B > 1 is B concurrent sequences in steady state: --waves x B requests through B slots (max_num_seqs = B), a
 finished sequence's slot refilled at once, as a server under load runs; --waves 1 is one closed batch, whose wall
 time is its slowest sequence's (speculation that speeds only the others then shows as cost alone). The modes run
@@ -90,16 +92,22 @@ def run_deepinfer(llm, prompts: list[list[int]], batch: int, max_tokens: int, wa
     requests = [prompts[i % len(prompts)] for i in range(count)]
     start = time.perf_counter()
     tokens = []
+    decode_tokens, decode_s = 0, 0.0  # batch 1: after each request's first token (what llama-server times)
     if batch == 1:
         for p in requests:
-            tokens += [list(o.outputs[0].token_ids) for o in llm.generate([p], params, use_tqdm=False)]
+            for o in llm.generate([p], params, use_tqdm=False):
+                tokens.append(list(o.outputs[0].token_ids))
+                m = o.metrics
+                if m is not None and m.first_token_time is not None and m.last_token_time is not None:
+                    decode_tokens += len(tokens[-1]) - 1
+                    decode_s += m.last_token_time - m.first_token_time
     else:
         tokens = [list(o.outputs[0].token_ids) for o in llm.generate(requests, params, use_tqdm=False)]
     wall = time.perf_counter() - start
     spent = llm.engine.step_times.since(times0)  # where a step's time goes: engine phases, ms per step
     row = {"output_tokens": sum(map(len, tokens)), "wall_s": wall, "tok_s": sum(map(len, tokens)) / wall,
            "steps": spent.steps, "step_ms": {p: round(v, 4) for p, v in spent.per_step_ms().items()},
-           "tokens": tokens}
+           "tokens": tokens, "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else None}
     stats = llm.engine.stats().spec_decode
     if stats is not None:
         drafted = stats.num_draft_tokens - (stats0.num_draft_tokens if stats0 else 0)
@@ -139,7 +147,8 @@ def run_llama_server(bin_dir: str, model: str, prompts: list[list[int]], max_tok
             out = json.loads(urllib.request.urlopen(req, timeout=600).read())
             tokens += out["timings"]["predicted_n"]
             seconds += out["timings"]["predicted_ms"] / 1e3
-        return {"output_tokens": tokens, "wall_s": seconds, "tok_s": tokens / seconds}
+        # its own timings cover generation only (after the prompt): compare with deepinfer's decode_tok_s
+        return {"output_tokens": tokens, "wall_s": seconds, "tok_s": tokens / seconds, "decode_tok_s": tokens / seconds}
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -203,15 +212,18 @@ def main(argv=None) -> None:
                 row.update(engine="llama.cpp", mode=spec, workload=name, batch=1)
                 results.append(row)
                 print(json.dumps(row), flush=True)
-    base = {(r["engine"], r["workload"], r["batch"]): r["tok_s"] for r in results if r["mode"] in ("off", "none")}
-    print(f"\n{'engine':<10}{'mode':<14}{'workload':<12}{'batch':>6}{'tok/s':>9}{'speedup':>9}{'accept':>8}  per position")
+    base = {(r["engine"], r["workload"], r["batch"]): r for r in results if r["mode"] in ("off", "none")}
+    print(f"\n{'engine':<10}{'mode':<14}{'workload':<12}{'batch':>6}{'tok/s':>9}{'speedup':>9}{'decode':>9}"
+          f"{'speedup':>9}{'accept':>8}  per position")
     for r in results:
-        speedup = r["tok_s"] / base[(r["engine"], r["workload"], r["batch"])] \
-            if (r["engine"], r["workload"], r["batch"]) in base else None
-        r["speedup"] = speedup
+        off = base.get((r["engine"], r["workload"], r["batch"]))
+        r["speedup"] = r["tok_s"] / off["tok_s"] if off else None
+        decode, off_decode = r.get("decode_tok_s"), off.get("decode_tok_s") if off else None
+        r["decode_speedup"] = decode / off_decode if decode and off_decode else None
         per = " ".join(f"{a:.2f}" for a in r.get("acceptance_per_position") or [] if a is not None)
         print(f"{r['engine']:<10}{r['mode']:<14}{r['workload']:<12}{r['batch']:>6}{r['tok_s']:>9.1f}"
-              f"{(speedup or 0):>8.2f}x{(r.get('acceptance') or 0):>8.2f}  {per}")
+              f"{(r['speedup'] or 0):>8.2f}x{(decode or 0):>9.1f}{(r['decode_speedup'] or 0):>8.2f}x"
+              f"{(r.get('acceptance') or 0):>8.2f}  {per}")
     out = args.out or default_output_path("spec_decode")
     write_json({"benchmark": "spec_decode", "args": vars(args), "machine": machine_info(args.threads),
                 "results": results}, out)
