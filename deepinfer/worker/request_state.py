@@ -53,7 +53,8 @@ class WorkerRequest:
     eos_token_ids: frozenset[int]
     drafting: DraftState = field(default_factory=DraftState)
     lookup: DraftState = field(default_factory=DraftState)  # the n-gram lookup in front of MTP, its own estimates
-    drafted_by: DraftState | None = None  # whose estimates the drafts now proposed came from (drafting or lookup)
+    matched: dict[int, DraftState] = field(default_factory=dict)  # n-gram drafts (varlen): by the match's length
+    drafted_by: DraftState | None = None  # whose estimates the drafts now proposed came from (drafting/lookup/matched)
     penalties: PenaltyState | None = None  # requests with penalties: their tokens as the sampler reads them
     plain_greedy: bool = field(init=False, default=False)  # greedy, no logprobs, no penalties
 

@@ -23,8 +23,8 @@ from deepinfer.worker.multi_step import forward_next
 from deepinfer.worker.request_state import Tokens, WorkerRequest
 from deepinfer.sample.rejection import verify_greedy
 from deepinfer.worker.speculative import (check_shadow, depth_costs, draft_rows, drafts_can_pay, looks_up,
-                                          lookup_drafts, mtp_upkeep, ngram_drafts, plan_draft_lengths,
-                                          record_acceptance, row_costs, verify)
+                                          lookup_drafts, matched_drafts, mtp_upkeep, ngram_drafts,
+                                          plan_draft_lengths, record_acceptance, row_costs, verify)
 
 if TYPE_CHECKING:
     from deepinfer.disagg.transfer import HandoffPuller
@@ -228,14 +228,14 @@ class ModelRunner:
             at = 0
             for i in batched:
                 r, n = sampling[i], 1 + len(sampling[i].drafts)
-                drafting = self._requests[r.request_id].drafting
+                judged = self._requests[r.request_id].judged
                 if r.drafts:
                     tokens = verify_greedy(out.token_ids[at : at + n], r.drafts)
-                    record_acceptance(self._requests[r.request_id].judged, len(r.drafts), len(tokens) - 1)
+                    record_acceptance(judged, len(r.drafts), len(tokens) - 1)
                     self._emit(r.request_id, tokens, [None] * len(tokens), result)
                 else:
                     if self.spec is not None:
-                        check_shadow(drafting, out.token_ids[at])
+                        check_shadow(judged, out.token_ids[at])
                     self._emit(r.request_id, [out.token_ids[at]], [out.logprobs[at]], result)
                 at += n
         done = set(batched)
@@ -292,14 +292,14 @@ class ModelRunner:
         """tokens: the argmax of every sampled row, a request's 1 + len(drafts) rows in order."""
         ids, at = tokens.tolist(), 0
         for r in sampling:
-            drafting = self._requests[r.request_id].drafting
+            judged = self._requests[r.request_id].judged
             if r.drafts:
                 emitted = verify_greedy(ids[at : at + 1 + len(r.drafts)], r.drafts)
-                record_acceptance(self._requests[r.request_id].judged, len(r.drafts), len(emitted) - 1)
+                record_acceptance(judged, len(r.drafts), len(emitted) - 1)
                 self._emit(r.request_id, emitted, [None] * len(emitted), result)
             else:
                 if self.spec is not None:
-                    check_shadow(drafting, ids[at])
+                    check_shadow(judged, ids[at])
                 self._emit(r.request_id, [ids[at]], [None], result)
             at += 1 + len(r.drafts)
 
@@ -315,6 +315,14 @@ class ModelRunner:
                 self._mtp_drafts(inputs, hidden, result, {}, decodes=False)
             return
         ngram = self.spec.speculative_method == "ngram"
+        if ngram and self.varlen:  # planned on the estimates of each sequence's match length
+            states = [self._requests[r.request_id] for r in sampling]
+            judged, drafts = matched_drafts(self.spec, [s.token_ids.as_array() for s in states],
+                                            [s.matched for s in states], self._row_costs)
+            for state, by in zip(states, judged):
+                state.drafted_by = by
+            result.draft_token_ids.update({r.request_id: d for r, d in zip(sampling, drafts) if d})
+            return
         lookups = {r.request_id: lookup_drafts(self.spec, self._requests[r.request_id].token_ids.as_array())
                    for r in sampling} if looks_up(self.spec, self.varlen, len(sampling), self._row_costs) else {}
         found = [bool(lookups.get(r.request_id)) for r in sampling]  # these draft from the lookup this step

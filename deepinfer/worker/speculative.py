@@ -5,9 +5,10 @@ Each of the k + 1 rows is sampled as if the drafts before it had been generated:
 output tokens (penalties, min_tokens), its output position, and its own grammar mask. Greedy rows accept while the
 target's argmax equals the draft; sampled rows use the rejection rule (sample/rejection.py).
 
-Draft lengths: with `varlen`, the step's drafts are planned together, each sequence's by its recent acceptance,
-as many as raise the expected tokens per unit of step time (down to none, probing again now and then); without it,
-every sequence drafts exactly k (as many as the proposer finds).
+Draft lengths: with `varlen`, the step's drafts are planned together, each sequence's by its recent acceptance
+(n-gram drafts: its acceptance after matches of the current match's length), as many as raise the expected tokens
+per unit of step time (down to none, probing again now and then); without it, every sequence drafts exactly k (as
+many as the proposer finds).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from deepinfer.sample.distribution import target_probabilities
 from deepinfer.sample.logprobs import logprob_dicts
 from deepinfer.sample.rejection import verify_greedy, verify_sampled
 from deepinfer.sample.sampler import Sampler, SamplingRow
-from deepinfer.spec.ngram import propose_ngram
+from deepinfer.spec.ngram import match_ngram, propose_ngram
 
 EMA = 0.7  # weight of the past in a sequence's acceptance estimate
 RELAX = 0.05  # per step, how far a position not drafted drifts back to the prior
@@ -56,6 +57,13 @@ MTP_DEPTH_COSTS = (0.0, 1.3)  # depth 1; every deeper depth
 # after a 2-4 token match was right 0.58-0.89 of the time against MTP's 0.26-0.65; after a 1-token match 0.12 against
 # MTP's 0.23.
 LOOKUP_MIN = 2
+# n-gram drafts (varlen): each match length's prior acceptance per position, before a sequence's own verifications
+# (matched_drafts); key 0: longer matches than listed. Replaying SmolLM2's greedy answers to spec_decode.py's prompts
+# (k = 6, ngram_max 4; conditional acceptance of the first draft, then the later ones): after a 1-token match
+# 0.18 / 0.09 (repetitive / chat), 2 tokens 0.67 / 0.53, 3 tokens 0.70 / 0.33, 4 tokens 0.96 / 0.92 with 0.95-0.98
+# after it. A 1-token match starts below what a row costs alone on either cost model (first_draft_bar), so it drafts
+# only once its own shadow probes say it pays.
+MATCH_PRIORS = {0: 0.9, 1: 0.1, 2: 0.6, 3: 0.6}
 
 
 @dataclass(frozen=True)
@@ -271,6 +279,29 @@ def ngram_drafts(spec: SpecConfig, lengths: dict[str, int], tokens: dict, states
             guess = propose(spec, tokens[rid].as_array(), 1)
             state.probe, state.shadow = False, guess[0] if guess else None
     return drafts
+
+
+def matched_drafts(spec: SpecConfig, tokens: Sequence[np.ndarray], matched: Sequence[dict[int, DraftState]],
+                   costs: RowCosts = AVX512_COSTS) -> tuple[list[DraftState], list[list[int]]]:
+    """n-gram drafts with varlen, for a step's sampling sequences (tokens: each one's known tokens; matched: its
+    estimates by match length, filled here). Each sequence is planned on the estimates of the length n of its
+    current match (spec/ngram.match_ngram): a draft after a 1-token match is accepted far less often than after a
+    4-token one (MATCH_PRIORS), and one rate per sequence drafted rows after short matches that did not pay and too
+    few after long ones. A sequence with a match that drafts nothing this step guesses its match's first draft, checked
+    against the token it then samples (a shadow probe: no row spent), so a length's estimate keeps learning while it
+    does not pay. Returns the estimates each sequence was planned on (the ones its verification updates) and the
+    drafts."""
+    found = [match_ngram(t, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max) for t in tokens]
+    states = [by.setdefault(n, DraftState(acceptance=MATCH_PRIORS.get(n, MATCH_PRIORS[0]))) if n
+              else DraftState(acceptance=0.0) for (n, _), by in zip(found, matched)]  # no match: nothing to draft
+    planned = plan_draft_lengths(spec, True, states, shadow_probes=True, costs=costs)
+    drafts = []
+    for (_, guess), state, length in zip(found, states, planned):
+        state.probe = False  # every undrafted match probes (below), not only the periodic ones
+        drafts.append(guess[:length])
+        if not length and guess:
+            state.shadow = guess[0]
+    return states, drafts
 
 
 def propose(spec: SpecConfig, tokens: np.ndarray, length: int) -> list[int]:

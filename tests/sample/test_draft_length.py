@@ -1,10 +1,11 @@
 """The varlen draft plan: a step's drafts are taken best first (acceptance per position, chained) while they raise the expected tokens
 per unit of step cost (worker/speculative.py: RowCosts.step)."""
+import numpy as np
 import pytest
 
 from deepinfer.config import SpecConfig
 from deepinfer.worker.speculative import (AVX2_COSTS, AVX512_COSTS, PROBE_EVERY, TILE_ROWS, DraftState,
-                                          check_shadow, drafts_can_pay, first_draft_bar, mtp_upkeep,
+                                          check_shadow, drafts_can_pay, first_draft_bar, matched_drafts, mtp_upkeep,
                                           plan_draft_lengths, record_acceptance, row_costs)
 
 SPEC = SpecConfig(speculative_method="ngram", num_speculative_tokens=5)
@@ -179,3 +180,28 @@ def test_the_lookup_in_front_of_mtp_takes_matches_of_two_tokens_or_more():
     args = build_parser().parse_args(["generate", "--prompt", "x", "--speculative-method", "mtp",
                                       "--speculative-ngram-lookup"])
     assert engine_config_from_args(args).spec == SpecConfig(speculative_method="mtp", ngram_lookup=True)
+
+
+def test_ngram_drafts_are_planned_on_the_acceptance_of_their_match_length():
+    """matched_drafts: each match length keeps its own estimates. After a 1-token match whose drafts fail, nothing is
+    drafted (its first draft is only guessed: a shadow probe, no row); after a 4-token match whose drafts hold, the
+    same sequence drafts deep; no match, nothing."""
+    matched: dict[int, DraftState] = {}
+    short = np.array([5, 1, 9, 8, 1])  # "1" occurred before: a 1-token match, drafts 9 8 1 ...
+    long = np.array([1, 2, 3, 4, 7, 1, 2, 3, 4])  # "1 2 3 4" did: a 4-token match, drafts 7 1 2 3 4
+    for _ in range(20):
+        states, drafts = matched_drafts(SPEC, [short], [matched], AVX2_COSTS)
+        if drafts[0]:
+            record_acceptance(states[0], len(drafts[0]), 0)
+        else:
+            assert states[0].shadow == 9
+            check_shadow(states[0], 3)  # the model samples another token
+        states, drafts = matched_drafts(SPEC, [long], [matched], AVX2_COSTS)
+        record_acceptance(states[0], len(drafts[0]), len(drafts[0]))
+    assert sorted(matched) == [1, 4]
+    states, drafts = matched_drafts(SPEC, [short], [matched], AVX2_COSTS)
+    assert drafts == [[]] and states[0] is matched[1] and states[0].shadow == 9
+    states, drafts = matched_drafts(SPEC, [long], [matched], AVX2_COSTS)
+    assert states[0] is matched[4] and len(drafts[0]) >= 2 and drafts[0] == [7, 1, 2, 3, 4][: len(drafts[0])]
+    states, drafts = matched_drafts(SPEC, [np.array([1, 2, 3])], [{}], AVX2_COSTS)
+    assert drafts == [[]] and states[0].rate(0) == 0.0

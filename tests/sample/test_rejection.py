@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from deepinfer.sample.rejection import sample_from, verify_greedy, verify_sampled
-from deepinfer.spec.ngram import propose_ngram
+from deepinfer.spec.ngram import match_ngram, propose_ngram
 
 SEEDS = 6000
 ALPHA = 1e-3  # a correct implementation fails one run in a thousand
@@ -79,14 +79,18 @@ def _ngram_by_definition(tokens: list[int], k: int, min_n: int, max_n: int) -> l
     return []
 
 
-def test_ngram_drafts_match_the_definition_on_random_sequences():
+def test_ngram_drafts_and_match_length_follow_the_definition_on_random_sequences():
     rng = np.random.default_rng(0)
     for trial in range(600):
         tokens = rng.integers(0, int(rng.integers(2, 9)), size=int(rng.integers(1, 60))).tolist()
         min_n = int(rng.integers(1, 4))
         max_n, k = min_n + int(rng.integers(0, 4)), int(rng.integers(1, 9))
-        assert propose_ngram(np.array(tokens, dtype=np.int64), k, min_n, max_n) == \
-            _ngram_by_definition(tokens, k, min_n, max_n), (tokens, k, min_n, max_n)
+        drafts = _ngram_by_definition(tokens, k, min_n, max_n)
+        assert propose_ngram(np.array(tokens, dtype=np.int64), k, min_n, max_n) == drafts, (tokens, k, min_n, max_n)
+        # and the match's length: the longest suffix within [min_n, max_n] that occurred before
+        longest = next((n for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1)
+                        if any(tokens[s : s + n] == tokens[len(tokens) - n :] for s in range(len(tokens) - n))), 0)
+        assert match_ngram(np.array(tokens, dtype=np.int64), k, min_n, max_n) == (longest, drafts)
 
 
 def test_ngram_finds_the_latest_earlier_match_longest_first():
