@@ -58,10 +58,10 @@ MTP_DEPTH_COSTS = (0.0, 1.3)  # depth 1; every deeper depth
 # MTP's 0.23.
 LOOKUP_MIN = 2
 # n-gram drafts (varlen): each match length's prior acceptance per position, before a sequence's own verifications
-# (matched_drafts); key 0: longer matches than listed. Replaying SmolLM2's greedy answers to spec_decode.py's prompts
-# (k = 6, ngram_max 4; conditional acceptance of the first draft, then the later ones): after a 1-token match
-# 0.18 / 0.09 (repetitive / chat), 2 tokens 0.67 / 0.53, 3 tokens 0.70 / 0.33, 4 tokens 0.96 / 0.92 with 0.95-0.98
-# after it. A 1-token match starts below what a row costs alone on either cost model (first_draft_bar), so it drafts
+# (matched_drafts); key 0: longer matches than listed. SmolLM2's greedy answers to spec_decode.py's prompts replayed
+# (benchmarks/ngram_rows.py, ngram_max 4; the first draft's acceptance, repetitive / chat): after a 1-token match
+# 0.18 / 0.09, 2 tokens 0.67 / 0.53, 3 tokens 0.70 / 0.33, 4 tokens 0.96 / 0.92, with 0.94-0.98 for each draft after
+# an accepted one. A 1-token match starts below what a row costs alone on either cost model (first_draft_bar), so it drafts
 # only once its own shadow probes say it pays.
 MATCH_PRIORS = {0: 0.9, 1: 0.1, 2: 0.6, 3: 0.6}
 
