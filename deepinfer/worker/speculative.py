@@ -61,8 +61,8 @@ LOOKUP_MIN = 2
 # (matched_drafts); key 0: longer matches than listed. SmolLM2's greedy answers to spec_decode.py's prompts replayed
 # (benchmarks/ngram_rows.py, ngram_max 4; the first draft's acceptance, repetitive / chat): after a 1-token match
 # 0.18 / 0.09, 2 tokens 0.67 / 0.53, 3 tokens 0.70 / 0.33, 4 tokens 0.96 / 0.92, with 0.94-0.98 for each draft after
-# an accepted one. A 1-token match starts below what a row costs alone on either cost model (first_draft_bar), so it drafts
-# only once its own shadow probes say it pays.
+# an accepted one. A 1-token match starts below the bar of a row alone on AVX2's cost model (0.13, first_draft_bar)
+# and just above AVX-512's (0.08, where such rows are nearly free); its verifications and shadow probes move it on.
 MATCH_PRIORS = {0: 0.9, 1: 0.1, 2: 0.6, 3: 0.6}
 
 
