@@ -314,8 +314,7 @@ class ModelRunner:
             if mtp:  # prompt rows still get MTP's K/V (later drafts see the prompt); decode rows go without
                 self._mtp_drafts(inputs, hidden, result, {}, decodes=False)
             return
-        ngram = self.spec.speculative_method == "ngram"
-        if ngram and self.varlen:  # planned on the estimates of each sequence's match length
+        if self.spec.speculative_method == "ngram" and self.varlen:  # planned on the estimates of each sequence's match length
             states = [self._requests[r.request_id] for r in sampling]
             judged, drafts = matched_drafts(self.spec, [s.token_ids.as_array() for s in states],
                                             [s.matched for s in states], self._row_costs)
@@ -330,8 +329,7 @@ class ModelRunner:
         for state, looked in zip(states, found):
             state.drafted_by = state.lookup if looked else state.drafting
         planned = plan_draft_lengths(self.spec, self.varlen, [state.drafted_by for state in states],
-                                     shadow_probes=ngram, depth_costs=self._depth_costs, free=found,
-                                     costs=self._row_costs)
+                                     depth_costs=self._depth_costs, free=found, costs=self._row_costs)
         lengths = {r.request_id: 0 if looked else n for r, n, looked in zip(sampling, planned, found)}
         if mtp:
             drafts = self._mtp_drafts(inputs, hidden, result, lengths,
@@ -339,8 +337,7 @@ class ModelRunner:
             drafts.update({r.request_id: lookups[r.request_id][:n] for r, n, looked in zip(sampling, planned, found)
                            if n and looked})
         else:
-            drafts = ngram_drafts(self.spec, lengths, {rid: self._requests[rid].token_ids for rid in lengths},
-                                  {rid: self._requests[rid].drafting for rid in lengths})
+            drafts = ngram_drafts(self.spec, lengths, {rid: self._requests[rid].token_ids for rid in lengths})
         result.draft_token_ids.update({rid: d for rid, d in drafts.items() if d})
 
     def _mtp_drafts(self, inputs: StepInputs, hidden: torch.Tensor, result: StepResult, lengths: dict[str, int],

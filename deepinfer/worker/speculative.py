@@ -269,16 +269,10 @@ def lookup_drafts(spec: SpecConfig, tokens: np.ndarray) -> list[int]:
     return propose_ngram(tokens, spec.num_speculative_tokens, max(LOOKUP_MIN, spec.ngram_min), spec.ngram_max)
 
 
-def ngram_drafts(spec: SpecConfig, lengths: dict[str, int], tokens: dict, states: dict[str, DraftState]) \
-        -> dict[str, list[int]]:
-    """n-gram drafts of the planned lengths (tokens: each sequence's runner.Tokens); a sequence due a shadow probe
-    gets its guess at the next token, checked when that token is sampled (no row spent)."""
-    drafts = {rid: propose(spec, tokens[rid].as_array(), n) for rid, n in lengths.items() if n > 0}
-    for rid, state in states.items():
-        if state.probe:
-            guess = propose(spec, tokens[rid].as_array(), 1)
-            state.probe, state.shadow = False, guess[0] if guess else None
-    return drafts
+def ngram_drafts(spec: SpecConfig, lengths: dict[str, int], tokens: dict) -> dict[str, list[int]]:
+    """n-gram drafts of the given lengths (tokens: each sequence's runner.Tokens): fixed draft lengths; with varlen
+    matched_drafts plans them, shadow probes included."""
+    return {rid: propose(spec, tokens[rid].as_array(), n) for rid, n in lengths.items() if n > 0}
 
 
 def matched_drafts(spec: SpecConfig, tokens: Sequence[np.ndarray], matched: Sequence[dict[int, DraftState]],
